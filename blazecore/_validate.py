@@ -1,0 +1,59 @@
+"""Input checks shared by the launchers. Every check runs before any kernel is launched."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._array import dtype_name, is_gpu, logical_dtype
+
+INT32_MAX = 2**31 - 1
+
+
+def check_dtype(arr, name: str, allowed) -> np.dtype:
+    dt = logical_dtype(arr)
+    allowed = tuple(np.dtype(a) for a in allowed)
+    if dt not in allowed:
+        raise TypeError(f"{name}: dtype {dtype_name(dt)} not supported (expected one of "
+                        f"{', '.join(dtype_name(a) for a in allowed)})")
+    return dt
+
+
+def check_integer(arr, name: str) -> np.dtype:
+    dt = np.dtype(arr.dtype)
+    if dt.kind not in "iu" or (is_gpu(arr) and dt == np.uint16):
+        raise TypeError(f"{name}: expected an integer array (int32 or int64), got {dtype_name(logical_dtype(arr))}")
+    return dt
+
+
+def check_ndim(arr, name: str, ndim: int, what: str) -> None:
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D {what}, got shape {tuple(arr.shape)}")
+
+
+def check_shape(arr, name: str, shape: tuple) -> None:
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(arr.shape)}")
+
+
+def check_contiguous(arr, name: str) -> None:
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous (call .contiguous() / ascontiguousarray first)")
+
+
+def same_device(arrays: dict) -> bool:
+    """True if all arrays are on the GPU (same device), False if all on the CPU; else ValueError."""
+    kinds = {name: is_gpu(a) for name, a in arrays.items()}
+    if len(set(kinds.values())) > 1:
+        where = ", ".join(f"{n} on {'GPU' if g else 'CPU'}" for n, g in kinds.items())
+        raise ValueError(f"inputs must all be on the same device: {where}")
+    gpu = next(iter(kinds.values()))
+    if gpu:
+        devs = {n: a.device.id for n, a in arrays.items()}
+        if len(set(devs.values())) > 1:
+            raise ValueError(f"inputs must all be on the same GPU: {devs}")
+    return gpu
+
+
+def check_int32_range(n: int, what: str) -> None:
+    if n > INT32_MAX:
+        raise ValueError(f"{what} = {n} exceeds the int32 range these kernels index with (2**31 - 1)")

@@ -1,0 +1,1 @@
+"""NumPy references: the obvious loop for every op, forward and backward."""

@@ -1,0 +1,86 @@
+"""Shared test fixtures: GPU detection, output poisoning, the comparison helper."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import blazecore._array as _array
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs():
+    """Every output the library allocates starts as NaN / -1, so an unwritten element fails."""
+    prev = _array.POISON
+    _array.POISON = True
+    yield
+    _array.POISON = prev
+
+
+def backends():
+    """'cpu' always; 'gpu' as a param that skips without a GPU."""
+    return ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def to_backend(a, backend):
+    a = np.ascontiguousarray(a)
+    if backend == "cpu":
+        return a
+    import cupy
+
+    if a.dtype == _array.BF16:
+        return cupy.asarray(a.view(np.uint16))
+    return cupy.asarray(a)
+
+
+def to_numpy(a):
+    if isinstance(a, np.ndarray):
+        return a
+    v = _array.asarray(a)
+    if isinstance(v, np.ndarray):
+        return v
+    h = v.get()
+    return h.view(_array.BF16) if _array.logical_dtype(v) == _array.BF16 else h
+
+
+def assert_close(actual, expected, rtol_norm, name="output"):
+    """Relative norm error ||a - e|| / ||e|| under ``rtol_norm``; reports max-abs error and first bad index."""
+    a = np.asarray(to_numpy(actual), dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    if a.size == 0:
+        return
+    nonfinite = ~np.isfinite(a) & np.isfinite(e)
+    if nonfinite.any():
+        idx = tuple(int(i) for i in np.argwhere(nonfinite)[0])
+        raise AssertionError(f"{name}: non-finite value {a[idx]} at {idx} (expected {e[idx]})")
+    diff = np.abs(a - e)
+    denom = np.linalg.norm(e)
+    rel = np.linalg.norm(a - e) / (denom if denom > 0 else 1.0)
+    if not rel <= rtol_norm:
+        idx = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
+        raise AssertionError(
+            f"{name}: relative norm error {rel:.3e} > {rtol_norm:.1e}; max abs error {diff.max():.3e} at {idx} "
+            f"(got {a[idx]}, expected {e[idx]})"
+        )
