@@ -21,6 +21,7 @@ CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 _BASE_OPTIONS = ("--std=c++17", "-DNDEBUG", "--generate-line-info", "-default-device")
 _lock = threading.Lock()
 _functions: dict = {}
+_modules: dict = {}
 
 
 class CompileError(RuntimeError):
@@ -163,9 +164,11 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
         mod = cupy.cuda.function.Module()
         mod.load(cubin)
         fn = mod.get_function(lowered[name_expression])
-        fn._blazecore_module = mod  # keep the module alive with the function
+        _modules[key] = mod  # keep the module loaded as long as its function is cached
         if max_dynamic_smem:
-            fn.max_dynamic_shared_size_bytes = max_dynamic_smem
+            from cupy_backends.cuda.api import driver
+
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_smem)
         _functions[key] = fn
         return fn
 

@@ -1,0 +1,234 @@
+"""GPU launchers for the expert FFN (``cuda/moe.cu``), called by :mod:`blazecore.moe`.
+
+Every function here takes validated CuPy views (bf16 as uint16 storage), launches on ``stream`` and never
+synchronises with the host: tile counts per expert live on the device (``moe_tile_offsets``), grids are
+sized by the upper bound ``ceil(L*K / BM) + E`` and surplus tiles exit at once, so forward and backward
+can be captured in a CUDA graph.
+
+Buffers of one forward (L*K = number of (token, expert) slots, H2 = 2h gated or h):
+  held for the backward:  checkpoint "ab": z (L*K, H2)       checkpoint "none": nothing
+  transient:              hcur (L*K, h), o = g * (hcur w2^T) (L*K, d)
+and of one backward (all transient): z (policy "none"), dz (L*K, H2), g*hcur (L*K, h),
+dgates partials (L*K, ceil(h/128)) fp32, per-slot dx rows (L*K, d).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _array, _compile
+from ._array import BF16, logical_dtype
+
+_FILE = "moe.cu"
+_ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4}
+_GATED = {"swiglu", "geglu"}
+_CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
+BM = BN = 128
+STAGES = 4
+NTHREADS = 256
+MODE_M, MODE_K = 0, 1
+EPI_ACT, EPI_ROWSCALE, EPI_DHCUR, EPI_WGRAD = 0, 1, 2, 3
+_NULL = np.uint64(0)
+
+
+def _gemm_name(ct, mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather):
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"blz::moe_gemm<{ct}, {mode}, {b(a_kmajor)}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {b(b_gather)}>"
+
+
+def _variants(ct, act):
+    """name -> (mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather) for one (dtype, activation)."""
+    return {
+        "gemm1": (MODE_M, True, True, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
+        "gemm2": (MODE_M, True, True, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
+        "dhcur": (MODE_M, True, False, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
+        "dx": (MODE_M, True, False, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
+        "dw2": (MODE_K, False, False, EPI_WGRAD, 0, True, False),  # dw2 = dy_g^T (g hcur)
+        "dw13": (MODE_K, False, False, EPI_WGRAD, 0, False, True),  # dw13 = dz^T x_g
+    }
+
+
+def _module_names(ct, act):
+    names = [_gemm_name(ct, *v) for v in _variants(ct, act).values()]
+    names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>"]
+    return names
+
+
+_compile.register_kernels(
+    _FILE, [n for ct in _CTYPES.values() for a in _ACT_IDS.values() for n in _module_names(ct, a)]
+)
+
+
+def _smem_bytes(itemsize, a_kmajor, b_kmajor):
+    bk, pad = 64 // itemsize, 16 // itemsize
+    a = BM * (bk + pad) if a_kmajor else bk * (BM + pad)
+    b = BN * (bk + pad) if b_kmajor else bk * (BN + pad)
+    return STAGES * (a + b) * itemsize
+
+
+class _Kernels:
+    """The compiled functions for one (dtype, activation)."""
+
+    def __init__(self, dtype, activation):
+        self.ct = _CTYPES[np.dtype(dtype)]
+        self.act = _ACT_IDS[activation]
+        self.itemsize = np.dtype(dtype).itemsize
+        self.names = _module_names(self.ct, self.act)
+        self.variants = _variants(self.ct, self.act)
+
+    def fn(self, name, smem=0):
+        return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
+
+    def gemm(self, which):
+        v = self.variants[which]
+        smem = _smem_bytes(self.itemsize, v[1], v[2])
+        return self.fn(_gemm_name(self.ct, *v), smem), smem
+
+
+def _ptr(a):
+    return _NULL if a is None else a
+
+
+def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
+                 out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
+                 gates=None, topk=1, part=None, part_ld=0, flags=0):
+    fn, smem = kern.gemm(which)
+    fn(
+        (int(grid),), (NTHREADS,),
+        (
+            A, np.int64(lda), B, np.int64(ldb), np.int64(b_estride),
+            disp.slot_token, disp.slot_k, disp.expert_offsets, _ptr(tile_offsets),
+            np.int32(E), np.int32(M), np.int32(N), np.int32(Kd),
+            out, np.int64(ldo), np.int64(o_estride), _ptr(out2), np.int64(ldo2), _ptr(aux), np.int64(ldaux),
+            _ptr(bias), np.int64(bias_estride), _ptr(gates), np.int32(topk), _ptr(part), np.int32(part_ld),
+            np.int32(flags),
+        ),
+        shared_mem=smem, stream=stream,
+    )
+
+
+def _tile_offsets(kern, disp, E, stream):
+    t = _array.empty_gpu((E + 1,), np.int32).view
+    kern.fn("blz::moe_tile_offsets")((1,), (1024,), (disp.expert_offsets, np.int32(E), np.int32(BM), t), stream=stream)
+    return t
+
+
+def _m_grid(LK, E, tiles_n):
+    return (-(-LK // BM) + E) * tiles_n
+
+
+def check_shapes(x, w13, w2, activation):
+    """GPU-path constraints beyond the public checks: 16-byte aligned rows."""
+    d, h = x.shape[1], w2.shape[2]
+    if d % 8 or h % 8:
+        raise ValueError(f"the GPU kernels need d and h to be multiples of 8 (16-byte rows); got d={d}, h={h}")
+
+
+def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, zbuf, stream):
+    gated = activation in _GATED
+    tiles_n = -(-h // (BN // 2)) if gated else -(-h // BN)
+    d = x.shape[1]
+    H2 = w13.shape[1]
+    flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
+    _launch_gemm(kern, "gemm1", _m_grid(LK, E, tiles_n), stream, A=x, lda=d, B=w13, ldb=d, b_estride=H2 * d,
+                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d,
+                 out=hbuf if hbuf is not None else zbuf, ldo=h, out2=zbuf, ldo2=H2,
+                 bias=b13, bias_estride=H2, flags=flags)
+
+
+def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream):
+    """y = combine_k g * expert(x); returns (z_user or None, extra) where z is the saved pre-activations."""
+    stream = _array.current_stream(stream)
+    L, d = x.shape
+    E, _, h = w2.shape
+    K = gates.shape[1]
+    LK = L * K
+    H2 = w13.shape[1]
+    dt = logical_dtype(x)
+    if L == 0:
+        z = _array.empty_gpu((0, H2), dt) if checkpoint == "ab" else None
+        return (z.user if z is not None else None), {}
+    kern = _Kernels(dt, activation)
+    tile_offsets = _tile_offsets(kern, disp, E, stream)
+    hbuf = _array.empty_gpu((LK, h), dt).view
+    z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
+    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z.view if z else None, stream)
+    obuf = _array.empty_gpu((LK, d), dt).view
+    _launch_gemm(kern, "gemm2", _m_grid(LK, E, -(-d // BN)), stream, A=hbuf, lda=h, B=w2, ldb=h, b_estride=d * h,
+                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=h, out=obuf, ldo=d,
+                 bias=b2, bias_estride=d, gates=gates, topk=K)
+    del hbuf
+    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (obuf, disp.pair_slot, np.int32(K), np.int32(d), y),
+                                            stream=stream)
+    return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
+
+
+def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
+    """Fill dx (L, d), dw13 (E, H2, d), dw2 (E, d, h), dgates (L, K) and the bias grads from dy (L, d)."""
+    stream = _array.current_stream(stream)
+    x, w13, w2, gates, disp = saved.x, saved.w13, saved.w2, saved.gates, saved.dispatch
+    activation = saved.activation
+    L, d = x.shape
+    E, _, h = w2.shape
+    K = gates.shape[1]
+    LK = L * K
+    H2 = w13.shape[1]
+    dt = logical_dtype(x)
+    if L == 0:
+        dw13.fill(0)
+        dw2.fill(0)
+        for b in (db13, db2):
+            if b is not None:
+                b.fill(0)
+        return
+    kern = _Kernels(dt, activation)
+    tile_offsets = _tile_offsets(kern, disp, E, stream)
+    z = saved.extra.get("z_view") if saved.extra else None
+    if z is None and saved.ab is not None:
+        z = _array.asarray(saved.ab)
+    if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations
+        z = _array.empty_gpu((LK, H2), dt).view
+        _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, activation, None, z, stream)
+
+    # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur
+    tiles_nh = -(-h // BN)
+    dz = _array.empty_gpu((LK, H2), dt).view
+    hg = _array.empty_gpu((LK, h), dt).view
+    part = _array.empty_gpu((LK, tiles_nh), np.float32).view
+    _launch_gemm(kern, "dhcur", _m_grid(LK, E, tiles_nh), stream, A=dy, lda=d, B=w2, ldb=h, b_estride=d * h,
+                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d, out=dz, ldo=H2, out2=hg, ldo2=h,
+                 aux=z, ldaux=H2, gates=gates, topk=K, part=part, part_ld=tiles_nh)
+    del z
+    warps = 8
+    b2 = saved.b2
+    kern.fn(f"blz::moe_dgates<{kern.ct}>")(
+        (-(-LK // warps),), (32 * warps,),
+        (part, np.int32(tiles_nh), disp.pair_slot, disp.expert_offsets, np.int32(E), np.int64(LK), dy, _ptr(b2),
+         np.int32(K), np.int32(d), dgates),
+        stream=stream,
+    )
+    del part
+    # dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order
+    _launch_gemm(kern, "dw2", E * -(-d // BM) * -(-h // BN), stream, A=dy, lda=d, B=hg, ldb=h, b_estride=0,
+                 disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h, o_estride=d * h)
+    del hg
+    # dw13_e = dz^T x_g
+    _launch_gemm(kern, "dw13", E * -(-H2 // BM) * -(-d // BN), stream, A=dz, lda=H2, B=x, ldb=d, b_estride=0,
+                 disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d, o_estride=H2 * d)
+    if db13 is not None:
+        kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
+            (-(-H2 // 128), E), (128,),
+            (dz, np.int64(H2), np.int32(H2), disp.expert_offsets, disp.slot_token, disp.slot_k, _NULL,
+             np.int32(K), np.int32(0), db13), stream=stream)
+    if db2 is not None:
+        kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
+            (-(-d // 128), E), (128,),
+            (dy, np.int64(d), np.int32(d), disp.expert_offsets, disp.slot_token, disp.slot_k, gates,
+             np.int32(K), np.int32(1), db2), stream=stream)
+    # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine
+    dxs = _array.empty_gpu((LK, d), dt).view
+    _launch_gemm(kern, "dx", _m_grid(LK, E, -(-d // BN)), stream, A=dz, lda=H2, B=w13, ldb=d, b_estride=H2 * d,
+                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=H2, out=dxs, ldo=d)
+    del dz
+    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (dxs, disp.pair_slot, np.int32(K), np.int32(d), dx),
+                                            stream=stream)

@@ -1,0 +1,514 @@
+// Expert FFN kernels: grouped GEMMs with gathered operands and fused epilogues, combine, small reductions.
+//
+// One templated tensor-core GEMM serves every expert matmul of the layer:
+//   M-grouped (MODE_M): C[s, n] = sum_k A[row(s), k] * B_e[n, k] over each expert's slot range; the A rows
+//     are gathered through slot_token on the fly (x in the forward, dy in the backward), so no L*K x d
+//     copy of x or dy ever exists. Tiles per expert come from expert_offsets on the device (no host sync).
+//   K-grouped (MODE_K): W_e[m, n] = sum_{s in e} A[row(s), m] * B[row(s), n], reducing over the expert's
+//     slots in a fixed order (deterministic weight gradients).
+// Operands are staged into shared memory with 16-byte cp.async in a 4-stage pipeline; fragments are
+// loaded with ldmatrix (.trans for operands stored m/n-contiguous) and multiplied with mma.sync m16n8k16
+// (fp32 accumulators). The fp32 instantiation (tests) uses the same tiles and fragment ownership with
+// FMA instead of mma, so every epilogue is shared.
+#include "moe_common.cuh"
+
+namespace blz {
+
+enum Mode : int { MODE_M = 0, MODE_K = 1 };
+enum Epi : int {
+  EPI_ACT = 0,       // z = acc + b13; store act(z) (hcur) and/or z itself (checkpoint "ab" / recompute)
+  EPI_ROWSCALE = 1,  // out = (acc + bias) * gate(slot)   (forward w2 GEMM; dx GEMM without scale)
+  EPI_DHCUR = 2,     // dh' = acc; recompute hcur from z; dgates partials; dz = act backward; hg = g * hcur
+  EPI_WGRAD = 3,     // per-expert weight gradient tile store
+};
+
+constexpr int NTHREADS = 256;  // 8 warps: 2 (m) x 4 (n), warp tile 64 x 32
+constexpr int BM = 128, BN = 128, WARPS_M = 2, WARPS_N = 4;
+constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // 64 x 32
+constexpr int MF = WM / 16, NF = WN / 8;             // 4 x 4 fragments
+constexpr int STAGES = 4;
+
+template <typename T> struct Tile {
+  static constexpr int EPC = 16 / sizeof(T);  // elements per 16-byte chunk
+  static constexpr int BK = 64 / sizeof(T);   // 32 for 16-bit types: 64-byte rows
+  static constexpr int PAD = EPC;             // +16 bytes per row: conflict-free ldmatrix
+};
+
+template <typename T, bool KMAJOR, int ROWS> __host__ __device__ constexpr int tile_elems() {
+  // KMAJOR: [ROWS][BK + PAD]; otherwise [BK][ROWS + PAD]
+  return KMAJOR ? ROWS * (Tile<T>::BK + Tile<T>::PAD) : Tile<T>::BK * (ROWS + Tile<T>::PAD);
+}
+
+// Find the expert owning global m-tile `tm`: the largest e with tile_offsets[e] <= tm.
+__device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offs + mid) <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+template <typename T, int MODE, bool A_KMAJOR, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, bool B_GATHER>
+__global__ void __launch_bounds__(NTHREADS) moe_gemm(
+    const T* __restrict__ A, long long lda,           // A rows: x / dy / hcur / dz ...
+    const T* __restrict__ B, long long ldb, long long b_estride,  // B: per-expert weights, or slot rows
+    const int* __restrict__ slot_token,               // (L*K) gather map for A_GATHER / B_GATHER, gate lookup
+    const int* __restrict__ slot_k,                   // (L*K)
+    const int* __restrict__ offsets,                  // (E+1) expert_offsets
+    const int* __restrict__ tile_offsets,             // (E+1) cumulative m-tiles per expert (MODE_M)
+    int num_experts, int M, int N, int Kd,            // MODE_M: M = L*K, N = output cols, Kd = reduction
+    T* __restrict__ out, long long ldo, long long o_estride,
+    T* __restrict__ out2, long long ldo2,
+    const T* __restrict__ aux, long long ldaux,       // z (pre-activations) read by EPI_DHCUR
+    const T* __restrict__ bias, long long bias_estride,
+    const float* __restrict__ gates, int topk,        // (L, K) gates, gate(s) = gates[slot_token[s]*K + slot_k[s]]
+    float* __restrict__ part, int part_ld,            // (L*K, tiles_n) dgates partial sums
+    int flags) {
+  using TL = Tile<T>;
+  constexpr int BK = TL::BK, EPC = TL::EPC, PAD = TL::PAD;
+  constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  constexpr int A_ELEMS = tile_elems<T, A_KMAJOR, BM>();
+  constexpr int B_ELEMS = tile_elems<T, B_KMAJOR, BN>();
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* As = reinterpret_cast<T*>(smem_raw);
+  T* Bs = As + STAGES * A_ELEMS;
+  __shared__ float red[BM * WARPS_N];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  const int g = lane >> 2, q = lane & 3;
+
+  // ---- which tile ---------------------------------------------------------------------------------
+  int e, m0, m_end, tn, slot_lo = 0, slot_hi = 0, tm = 0;
+  const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
+  if constexpr (MODE == MODE_M) {
+    const long long bid = blockIdx.x;
+    const int tmg = static_cast<int>(bid / tiles_n);
+    tn = static_cast<int>(bid % tiles_n);
+    if (tmg >= __ldg(tile_offsets + num_experts)) return;  // surplus tile of the upper-bound grid
+    e = find_expert(tile_offsets, num_experts, tmg);
+    m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
+    m_end = __ldg(offsets + e + 1);
+  } else {
+    const int tiles_m = (M + BM - 1) / BM;
+    const long long bid = blockIdx.x;
+    e = static_cast<int>(bid / ((long long)tiles_m * tiles_n));
+    const int r = static_cast<int>(bid % ((long long)tiles_m * tiles_n));
+    tm = r / tiles_n;
+    tn = r % tiles_n;
+    m0 = tm * BM;
+    m_end = M;
+    slot_lo = __ldg(offsets + e);
+    slot_hi = __ldg(offsets + e + 1);
+  }
+  const int kd_len = (MODE == MODE_M) ? Kd : (slot_hi - slot_lo);
+  const int num_kt = (kd_len + BK - 1) / BK;
+
+  // ---- producer: one pipeline stage ----------------------------------------------------------------
+  const T* Be = B + ((MODE == MODE_M) ? (long long)e * b_estride : 0);
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    T* as = As + stage * A_ELEMS;
+    T* bs = Bs + stage * B_ELEMS;
+    if constexpr (MODE == MODE_M) {
+      // A: [BM rows = slots][BK], rows gathered through slot_token
+      constexpr int CPR = BK / EPC, CH = BM * CPR;
+#pragma unroll
+      for (int c = tid; c < CH; c += NTHREADS) {
+        const int r = c / CPR, cc = c % CPR;
+        const int s = m0 + r, k = k0 + cc * EPC;
+        const bool ok = (s < m_end) && (k < Kd);
+        const long long row = ok ? (A_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
+        cp_async16(as + r * (BK + PAD) + cc * EPC, A + row * lda + (ok ? k : 0), ok ? 16 : 0);
+      }
+      if constexpr (B_KMAJOR) {
+        // B: [BN rows = output cols][BK]; gated tiles take BN/2 gate rows and the matching BN/2 up rows
+#pragma unroll
+        for (int c = tid; c < BN * CPR; c += NTHREADS) {
+          const int r = c / CPR, cc = c % CPR;
+          int n, row;
+          if constexpr (GATED) {
+            const int rr = r % (BN / 2);
+            n = tn * (BN / 2) + rr;
+            row = (r < BN / 2) ? n : N + n;
+          } else {
+            n = tn * BN + r;
+            row = n;
+          }
+          const int k = k0 + cc * EPC;
+          const bool ok = (n < N) && (k < Kd);
+          cp_async16(bs + r * (BK + PAD) + cc * EPC, Be + (ok ? (long long)row * ldb + k : 0), ok ? 16 : 0);
+        }
+      } else {
+        // B: [BK rows = k][BN], weights stored k-major rows (n contiguous)
+        constexpr int CPRB = BN / EPC;
+#pragma unroll
+        for (int c = tid; c < BK * CPRB; c += NTHREADS) {
+          const int r = c / CPRB, cc = c % CPRB;
+          const int k = k0 + r, n = tn * BN + cc * EPC;
+          const bool ok = (k < Kd) && (n < N);
+          cp_async16(bs + r * (BN + PAD) + cc * EPC, Be + (ok ? (long long)k * ldb + n : 0), ok ? 16 : 0);
+        }
+      }
+    } else {
+      // MODE_K: rows are the expert's slots, gathered for x / dy
+      constexpr int CPRA = BM / EPC, CPRB = BN / EPC;
+#pragma unroll
+      for (int c = tid; c < BK * CPRA; c += NTHREADS) {
+        const int r = c / CPRA, cc = c % CPRA;
+        const int s = slot_lo + k0 + r, m = m0 + cc * EPC;
+        const bool ok = (s < slot_hi) && (m < M);
+        const long long row = ok ? (A_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
+        cp_async16(as + r * (BM + PAD) + cc * EPC, A + row * lda + (ok ? m : 0), ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int c = tid; c < BK * CPRB; c += NTHREADS) {
+        const int r = c / CPRB, cc = c % CPRB;
+        const int s = slot_lo + k0 + r, n = tn * BN + cc * EPC;
+        const bool ok = (s < slot_hi) && (n < N);
+        const long long row = ok ? (B_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
+        cp_async16(bs + r * (BN + PAD) + cc * EPC, B + row * ldb + (ok ? n : 0), ok ? 16 : 0);
+      }
+    }
+  };
+
+  // Shared-memory row of B fragment f of this warp (gated: first NF/2 fragments gate rows, rest up rows).
+  auto b_row = [&](int f) -> int {
+    if constexpr (GATED) {
+      return (f < NF / 2) ? wn * (WN / 2) + f * 8 : BN / 2 + wn * (WN / 2) + (f - NF / 2) * 8;
+    } else {
+      return wn * WN + f * 8;
+    }
+  };
+
+  float acc[MF][NF][4];
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+
+  // ---- mainloop ------------------------------------------------------------------------------------
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_kt) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < num_kt; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int nk = kt + STAGES - 1;
+    if (nk < num_kt) load_stage(nk % STAGES, nk);
+    cp_async_commit();
+    const T* as = As + (kt % STAGES) * A_ELEMS;
+    const T* bs = Bs + (kt % STAGES) * B_ELEMS;
+    if constexpr (sizeof(T) == 2) {
+      const int j = lane >> 3, l8 = lane & 7;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        unsigned af[MF][4], bf[NF][2];
+#pragma unroll
+        for (int i = 0; i < MF; ++i) {
+          const int r0 = wm * WM + i * 16;
+          if constexpr (A_KMAJOR) {
+            ldmatrix_x4(af[i], as + (r0 + (j & 1) * 8 + l8) * (BK + PAD) + ks * 16 + (j >> 1) * 8);
+          } else {
+            ldmatrix_x4_trans(af[i], as + (ks * 16 + (j >> 1) * 8 + l8) * (BM + PAD) + r0 + (j & 1) * 8);
+          }
+        }
+#pragma unroll
+        for (int f = 0; f < NF; f += 2) {
+          unsigned r[4];
+          const int n0 = b_row(f);
+          if constexpr (B_KMAJOR) {
+            ldmatrix_x4(r, bs + (n0 + (j >> 1) * 8 + l8) * (BK + PAD) + ks * 16 + (j & 1) * 8);
+          } else {
+            ldmatrix_x4_trans(r, bs + (ks * 16 + (j & 1) * 8 + l8) * (BN + PAD) + n0 + (j >> 1) * 8);
+          }
+          bf[f][0] = r[0]; bf[f][1] = r[1]; bf[f + 1][0] = r[2]; bf[f + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int i = 0; i < MF; ++i)
+#pragma unroll
+          for (int f = 0; f < NF; ++f) mma16816<T>(acc[i][f], af[i], bf[f]);
+      }
+    } else {
+      // fp32 (test path): same fragment ownership as mma m16n8: rows g, g+8; cols 2q, 2q+1
+#pragma unroll 4
+      for (int kk = 0; kk < BK; ++kk) {
+        float av[MF][2], bv[NF][2];
+#pragma unroll
+        for (int i = 0; i < MF; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int m = wm * WM + i * 16 + g + 8 * h;
+            av[i][h] = A_KMAJOR ? as[m * (BK + PAD) + kk] : as[kk * (BM + PAD) + m];
+          }
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int n = b_row(f) + 2 * q + h;
+            bv[f][h] = B_KMAJOR ? bs[n * (BK + PAD) + kk] : bs[kk * (BN + PAD) + n];
+          }
+#pragma unroll
+        for (int i = 0; i < MF; ++i)
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            acc[i][f][0] = fmaf(av[i][0], bv[f][0], acc[i][f][0]);
+            acc[i][f][1] = fmaf(av[i][0], bv[f][1], acc[i][f][1]);
+            acc[i][f][2] = fmaf(av[i][1], bv[f][0], acc[i][f][2]);
+            acc[i][f][3] = fmaf(av[i][1], bv[f][1], acc[i][f][3]);
+          }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogues -----------------------------------------------------------------------------------
+  if constexpr (EPI == EPI_WGRAD) {
+    T* oe = out + (long long)e * o_estride;
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + wm * WM + i * 16 + g + 8 * h;
+        if (m >= M) continue;
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+          const int n = tn * BN + wn * WN + f * 8 + 2 * q;
+          if (n < N) store2<T>(oe + (long long)m * ldo + n, acc[i][f][2 * h], acc[i][f][2 * h + 1]);
+        }
+      }
+  } else if constexpr (EPI == EPI_ACT) {
+    const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+    const bool store_h = flags & 1, store_z = flags & 2;
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = m0 + wm * WM + i * 16 + g + 8 * h;
+        if (s >= m_end) continue;
+        if constexpr (GATED) {
+#pragma unroll
+          for (int f = 0; f < NF / 2; ++f) {
+            const int n = tn * (BN / 2) + wn * (WN / 2) + f * 8 + 2 * q;
+            if (n >= N) continue;
+            float a0 = acc[i][f][2 * h], a1 = acc[i][f][2 * h + 1];
+            float b0 = acc[i][f + NF / 2][2 * h], b1 = acc[i][f + NF / 2][2 * h + 1];
+            if (be) {
+              float x0, x1, y0, y1;
+              load2<T>(be + n, x0, x1);
+              load2<T>(be + N + n, y0, y1);
+              a0 += x0; a1 += x1; b0 += y0; b1 += y1;
+            }
+            if (store_z) {
+              store2<T>(out2 + (long long)s * ldo2 + n, a0, a1);
+              store2<T>(out2 + (long long)s * ldo2 + N + n, b0, b1);
+            }
+            if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+          }
+        } else {
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            const int n = tn * BN + wn * WN + f * 8 + 2 * q;
+            if (n >= N) continue;
+            float z0 = acc[i][f][2 * h], z1 = acc[i][f][2 * h + 1];
+            if (be) {
+              float x0, x1;
+              load2<T>(be + n, x0, x1);
+              z0 += x0; z1 += x1;
+            }
+            if (store_z) store2<T>(out2 + (long long)s * ldo2 + n, z0, z1);
+            if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(z0), act_f<ACT>(z1));
+          }
+        }
+      }
+  } else if constexpr (EPI == EPI_ROWSCALE) {
+    const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = m0 + wm * WM + i * 16 + g + 8 * h;
+        if (s >= m_end) continue;
+        const float gs = gates ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 1.f;
+#pragma unroll
+        for (int f = 0; f < NF; ++f) {
+          const int n = tn * BN + wn * WN + f * 8 + 2 * q;
+          if (n >= N) continue;
+          float o0 = acc[i][f][2 * h], o1 = acc[i][f][2 * h + 1];
+          if (be) {
+            float x0, x1;
+            load2<T>(be + n, x0, x1);
+            o0 += x0; o1 += x1;
+          }
+          store2<T>(out + (long long)s * ldo + n, o0 * gs, o1 * gs);
+        }
+      }
+  } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h)
+    constexpr bool G2 = act_gated(ACT);
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rl = wm * WM + i * 16 + g + 8 * h;
+        const int s = m0 + rl;
+        float psum = 0.f;
+        if (s < m_end) {
+          const float gs = __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s));
+          const T* zr = aux + (long long)s * ldaux;
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            const int n = tn * BN + wn * WN + f * 8 + 2 * q;
+            if (n >= N) continue;
+            const float d0 = acc[i][f][2 * h], d1 = acc[i][f][2 * h + 1];
+            float a0, a1;
+            load2<T>(zr + n, a0, a1);
+            if constexpr (G2) {
+              float b0, b1;
+              load2<T>(zr + N + n, b0, b1);
+              const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
+              const float h0 = s0 * b0, h1 = s1 * b1;
+              psum += d0 * h0 + d1 * h1;
+              const float dh0 = gs * d0, dh1 = gs * d1;
+              store2<T>(out + (long long)s * ldo + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
+              store2<T>(out + (long long)s * ldo + N + n, dh0 * s0, dh1 * s1);
+              store2<T>(out2 + (long long)s * ldo2 + n, gs * h0, gs * h1);
+            } else {
+              const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
+              psum += d0 * h0 + d1 * h1;
+              store2<T>(out + (long long)s * ldo + n, gs * d0 * act_grad<ACT>(a0), gs * d1 * act_grad<ACT>(a1));
+              store2<T>(out2 + (long long)s * ldo2 + n, gs * h0, gs * h1);
+            }
+          }
+        }
+        // the 4 lanes of a quad share a row: fixed-order butterfly, then a fixed-order sum over warps_n
+        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+        psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+        if (q == 0) red[rl * WARPS_N + wn] = psum;
+      }
+    __syncthreads();
+    for (int r = tid; r < BM; r += NTHREADS) {
+      const int s = m0 + r;
+      if (s < m_end) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) t += red[r * WARPS_N + w];
+        part[(long long)s * part_ld + tn] = t;
+      }
+    }
+  }
+}
+
+// ---- small kernels ----------------------------------------------------------------------------------
+
+// tile_offsets[e] = sum_{e' < e} ceil(count[e'] / bm), for e in [0, E]. One block of 1024 threads.
+__global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__ offsets, int num_experts, int bm,
+                                                           int* __restrict__ tile_offsets) {
+  __shared__ int warp_sums[32];
+  __shared__ int carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int base = 0; base < num_experts; base += blockDim.x) {
+    const int e = base + threadIdx.x;
+    const int v = (e < num_experts) ? (offsets[e + 1] - offsets[e] + bm - 1) / bm : 0;
+    int x = v;  // inclusive warp scan
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = (lane < (int)(blockDim.x >> 5)) ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sums[lane] = w;  // inclusive
+    }
+    __syncthreads();
+    const int excl = carry + (warp ? warp_sums[warp - 1] : 0) + x - v;
+    if (e < num_experts) tile_offsets[e] = excl;
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) carry = excl + v;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) tile_offsets[num_experts] = carry;
+}
+
+// out[t, :] = sum_k src[pair_slot[t, k], :] in k order (fp32 accumulation): deterministic combine.
+template <typename T>
+__global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, const int* __restrict__ pair_slot,
+                                                    int topk, int d, T* __restrict__ out) {
+  constexpr int EPC = 16 / sizeof(T);
+  const long long t = blockIdx.x;
+  for (int c = threadIdx.x; c * EPC < d; c += blockDim.x) {
+    float accv[EPC];
+#pragma unroll
+    for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
+    for (int k = 0; k < topk; ++k) {
+      const long long s = __ldg(pair_slot + t * topk + k);
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
+      const T* vals = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) accv[v] += to_f<T>(vals[v]);
+    }
+    uint4 res;
+    T* rv = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (int v = 0; v < EPC; ++v) rv[v] = from_f<T>(accv[v]);
+    reinterpret_cast<uint4*>(out + t * d)[c] = res;
+  }
+}
+
+// dgates[t, k] = sum_j part[s, j] (+ dy_t . b2[e] with a bias), s = pair_slot[t, k]. One warp per (t, k).
+template <typename T>
+__global__ void __launch_bounds__(256) moe_dgates(const float* __restrict__ part, int nparts,
+                                                   const int* __restrict__ pair_slot, const int* __restrict__ offsets,
+                                                   int num_experts, long long num_pairs, const T* __restrict__ dy,
+                                                   const T* __restrict__ b2, int topk, int d,
+                                                   float* __restrict__ dgates) {
+  const long long p = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (p >= num_pairs) return;
+  const long long s = __ldg(pair_slot + p);
+  float v = 0.f;
+  for (int j = lane; j < nparts; j += 32) v += part[s * nparts + j];
+  if (b2) {
+    const int e = find_expert(offsets, num_experts, static_cast<int>(s));
+    const long long t = p / topk;
+    for (int c = lane; c < d; c += 32) v += to_f<T>(dy[t * d + c]) * to_f<T>(b2[(long long)e * d + c]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) dgates[p] = v;
+}
+
+// out[e, c] = sum_{s in expert e, in order} scale(s) * src[row(s), c]: bias gradients, deterministic.
+// row(s) = slot_token[s] when gathering (dy), else s (dz); scale(s) = gate of s when gates != nullptr.
+template <typename T>
+__global__ void __launch_bounds__(128) moe_bias_grad(const T* __restrict__ src, long long ld, int cols,
+                                                      const int* __restrict__ offsets, const int* __restrict__ slot_token,
+                                                      const int* __restrict__ slot_k, const float* __restrict__ gates,
+                                                      int topk, int gather, T* __restrict__ out) {
+  const int e = blockIdx.y;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const int lo = offsets[e], hi = offsets[e + 1];
+  float acc = 0.f;
+  for (int s = lo; s < hi; ++s) {
+    const long long row = gather ? (long long)slot_token[s] : (long long)s;
+    const float sc = gates ? gates[(long long)slot_token[s] * topk + slot_k[s]] : 1.f;
+    acc += sc * to_f<T>(src[row * ld + c]);
+  }
+  out[(long long)e * cols + c] = from_f<T>(acc);
+}
+
+}  // namespace blz

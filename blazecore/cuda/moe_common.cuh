@@ -1,0 +1,118 @@
+// Shared device helpers for the expert FFN kernels: dtype conversion, activations, cp.async, ldmatrix, mma.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+
+namespace blz {
+
+// ---- dtype conversion ----------------------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Store two adjacent elements (column c, c+1) with one 4- or 8-byte store; c is even and the row
+// length is a multiple of 8, so the pair is aligned.
+template <typename T> __device__ __forceinline__ void store2(T* p, float a, float b) {
+  p[0] = from_f<T>(a);
+  p[1] = from_f<T>(b);
+}
+template <> __device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <> __device__ __forceinline__ void store2<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <> __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <typename T> __device__ __forceinline__ void load2(const T* p, float& a, float& b) {
+  a = to_f<T>(p[0]);
+  b = to_f<T>(p[1]);
+}
+
+// ---- activations (fp32 in registers) ------------------------------------------------------------
+// Names match blazecore.moe.ACTIVATIONS. Gated ones (SWIGLU, GEGLU) apply act to the gate half a and
+// multiply by the up half b; the others apply act to the whole pre-activation.
+enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4 };
+
+__host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU; }
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+// gelu with the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float c = 0.7978845608028654f;
+  return 0.5f * x * (1.f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  const float c = 0.7978845608028654f;
+  float t = tanhf(c * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * c * (1.f + 3.f * 0.044715f * x * x);
+}
+
+template <int ACT> __device__ __forceinline__ float act_f(float x) {
+  if constexpr (ACT == SWIGLU || ACT == SILU) {
+    return x * sigmoidf_(x);
+  } else if constexpr (ACT == GEGLU || ACT == GELU) {
+    return gelu_tanh(x);
+  } else {
+    float r = fmaxf(x, 0.f);
+    return r * r;
+  }
+}
+template <int ACT> __device__ __forceinline__ float act_grad(float x) {
+  if constexpr (ACT == SWIGLU || ACT == SILU) {
+    float s = sigmoidf_(x);
+    return s * (1.f + x * (1.f - s));
+  } else if constexpr (ACT == GEGLU || ACT == GELU) {
+    return gelu_tanh_grad(x);
+  } else {
+    return 2.f * fmaxf(x, 0.f);
+  }
+}
+
+// ---- async copies and tensor-core fragments -------------------------------------------------------
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 16-byte global->shared copy that bypasses L1; src_bytes = 0 zero-fills (out-of-range rows/cols).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// D += A(16x16, row) * B(16x8, col), fp32 accumulators.
+template <typename T> __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], const unsigned* b);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], const unsigned (&a)[4], const unsigned* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+}  // namespace blz
