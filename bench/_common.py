@@ -1,0 +1,307 @@
+"""Shared helpers of the blazecore benchmarks: run header, CUDA-event timing, JSON rows, tables.
+
+Every benchmark writes ``bench/results/<name>_<gpu-slug>.json``::
+
+    {"header": {gpu, capability, cuda, torch, cupy, ..., date, git_commit}, "rows": [{...}, ...]}
+
+one row per measurement (long format), so results from several GPUs and commits can be merged.
+Timings use CUDA events on torch's current stream: warm-up calls, then the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+MIB = float(1 << 20)
+
+
+def ensure_repo_on_path() -> None:
+    """Make ``import blazecore`` work when a bench script runs from a checkout that is not installed."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def cuda_gpu_available() -> tuple[bool, str]:
+    """(True, "") if torch sees a CUDA GPU, else (False, why not)."""
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed (pip install torch) and the benchmarks time against it"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
+    return True, ""
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3' (for file names)."""
+    s = re.sub(r"\bnvidia\b", "", name.lower())
+    s = re.sub(r"[^a-z0-9]+", "-", s).strip("-")
+    return s or "gpu"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def git_commit() -> tuple[str, bool | None]:
+    """(commit, dirty). Without a git checkout: $BLAZECORE_GIT_COMMIT if set, else 'unknown'."""
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        return os.environ.get("BLAZECORE_GIT_COMMIT", "unknown"), None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return commit, (bool(status) if status is not None else None)
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        mod = __import__(module_name)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", "unknown")
+
+
+def _nvidia_smi_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def _software() -> dict:
+    """Library versions, date and commit: the part of the header that needs no GPU."""
+    commit, dirty = git_commit()
+    header = {
+        "torch": _version("torch"),
+        "numpy": _version("numpy"),
+        "cupy": _version("cupy"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "argv": sys.argv,
+    }
+    try:
+        ensure_repo_on_path()
+        import blazecore
+
+        header["blazecore"] = blazecore.__version__
+    except Exception as exc:
+        header["blazecore"] = None
+        header["blazecore_error"] = f"{type(exc).__name__}: {exc}"
+    return header
+
+
+def gpu_header(device: int | None = None) -> dict:
+    """The run's identity: GPU, CUDA and library versions, date and commit (needs torch with CUDA)."""
+    import torch
+
+    dev = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(dev)
+    header = {
+        "device": "cuda",
+        "gpu": props.name,
+        "gpu_slug": gpu_slug(props.name),
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "gpu_memory_bytes": props.total_memory,
+        "driver": _nvidia_smi_driver(),
+        "torch_cuda": torch.version.cuda,
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        **_software(),
+    }
+    try:
+        import cupy
+
+        header["cupy_cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+        header["cuda_driver_api"] = cupy.cuda.runtime.driverGetVersion()
+        header["nvrtc"] = ".".join(str(v) for v in cupy.cuda.nvrtc.getVersion())
+    except Exception as exc:  # cupy absent or without a usable CUDA: record why, keep going
+        header["cupy_error"] = f"{type(exc).__name__}: {exc}"
+    return header
+
+
+def cpu_header() -> dict:
+    """Header of a CPU smoke run (no GPU fields; results go to <name>_cpu.json)."""
+    return {"device": "cpu", "gpu": None, "gpu_slug": "cpu", "cpu": platform.processor() or None, **_software()}
+
+
+def print_header(header: dict) -> None:
+    dirty = " (dirty)" if header.get("git_dirty") else ""
+    soft = (
+        f"torch {header['torch']}, cupy {header.get('cupy')}, blazecore {header.get('blazecore')}, "
+        f"commit {header['git_commit'][:12]}{dirty}, {header['date']}"
+    )
+    if header.get("gpu") is None:
+        print(f"# CPU smoke run (no GPU figures), {soft}", flush=True)
+        return
+    print(
+        f"# {header['gpu']} (sm_{header['capability'].replace('.', '')}, {header['sm_count']} SMs, "
+        f"{header['gpu_memory_bytes'] / 2**30:.0f} GiB), driver {header.get('driver')}, "
+        f"CUDA {header['torch_cuda']} (torch), {soft}",
+        flush=True,
+    )
+
+
+@dataclass
+class Timing:
+    """Milliseconds per call from CUDA events: median of the repeats, with min, max and every sample."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    samples_ms: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cuda_time(fn, *, warmup: int = 3, repeats: int = 10, setup=None) -> Timing:
+    """Time ``fn()`` on torch's current stream with CUDA events.
+
+    ``setup()`` (untimed) runs before every call; ``fn`` should drop what it computes. Work that fn
+    launches on other streams is not covered: launch on torch's current stream. The events of each
+    repeat are read after one final synchronisation, so repeats run back to back.
+    """
+    import torch
+
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in events]
+    return Timing(statistics.median(ms), min(ms), max(ms), ms)
+
+
+def wall_time(fn, *, warmup: int = 1, repeats: int = 10) -> Timing:
+    """Wall-clock milliseconds of ``fn()`` (CPU runs): median of the repeats after the warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    return Timing(statistics.median(ms), min(ms), max(ms), ms)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def parse_count(text: str) -> int:
+    """'8k' -> 8192, '1m' -> 1048576, '300' -> 300."""
+    t = text.strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        mult, t = 1 << 10, t[:-1]
+    elif t.endswith("m"):
+        mult, t = 1 << 20, t[:-1]
+    value = int(t) * mult
+    if value < 0:
+        raise ValueError(f"negative count {text!r}")
+    return value
+
+
+def format_count(n: int) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}m"
+    if n >= 1 << 10 and n % (1 << 10) == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
+def results_path(name: str, header: dict, results_dir: pathlib.Path | None = None) -> pathlib.Path:
+    return pathlib.Path(results_dir or RESULTS_DIR) / f"{name}_{header['gpu_slug']}.json"
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def write_json(name: str, header: dict, rows: list, results_dir: pathlib.Path | None = None, **extra) -> pathlib.Path:
+    """Write {"header", "rows", **extra} to results/<name>_<gpu-slug>.json (atomically) and return the path."""
+    path = results_path(name, header, results_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable({"header": header, "rows": rows, **extra}), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _cell(v, fmt: str | None) -> str:
+    if v is None:
+        return "-"
+    if fmt and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, fmt)
+    return str(v)
+
+
+def format_table(rows: list, columns: list) -> str:
+    """``columns``: (title, key or callable(row), format spec or None). Numbers right-aligned."""
+    cells = []
+    for r in rows:
+        line = []
+        for _, key, fmt in columns:
+            v = key(r) if callable(key) else r.get(key)
+            line.append(_cell(v, fmt))
+        cells.append(line)
+    widths = [max([len(c[0])] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+    numeric = [fmt is not None for _, _, fmt in columns]
+
+    def fmt_line(values):
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric, strict=True))
+
+    out = [fmt_line([c[0] for c in columns]), "  ".join("-" * w for w in widths)]
+    out += [fmt_line(line) for line in cells]
+    return "\n".join(out)
+
+
+def print_table(rows: list, columns: list) -> None:
+    print(format_table(rows, columns), flush=True)
