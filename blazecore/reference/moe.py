@@ -1,0 +1,193 @@
+"""NumPy reference of the MoE layer (expert FFN + gate-weighted combine), forward and backward.
+
+Everything is computed in float64 with a plain loop over experts: each expert takes the (token, k)
+pairs routed to it (``np.nonzero(expert_ids == e)``) and runs its FFN on those rows. No dispatch
+structure is used, so this file checks the dispatch as well as the kernels.
+
+For token t and k in range(K), with e = expert_ids[t, k]:
+
+    z = w13[e] @ x[t] (+ b13[e])                      (2h,) gated, (h,) non-gated
+    gated:      a, b = z[:h], z[h:]; hcur = act(a) * b
+    non-gated:  hcur = act(z)
+    o = w2[e] @ hcur (+ b2[e])                        (d,)
+    y[t] += gates[t, k] * o
+
+Activations: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b, "gelu" gelu_tanh(z), "silu" silu(z),
+"relu2" max(z, 0)**2, with gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+def _sigmoid(x):
+    # tanh form: no overflow warning for large |x| (exp(-x) would overflow below x = -709)
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _silu(x):
+    return x * _sigmoid(x)
+
+
+def _silu_grad(x):
+    s = _sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(_GELU_C * (x + _GELU_A * x**3)))
+
+
+def _gelu_tanh_grad(x):
+    t = np.tanh(_GELU_C * (x + _GELU_A * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3.0 * _GELU_A * x * x)
+
+
+def _relu2(x):
+    r = np.maximum(x, 0.0)
+    return r * r
+
+
+def _relu2_grad(x):
+    return 2.0 * np.maximum(x, 0.0)
+
+
+# name -> (gated, act, act')
+ACTIVATIONS_REF = {
+    "swiglu": (True, _silu, _silu_grad),
+    "geglu": (True, _gelu_tanh, _gelu_tanh_grad),
+    "gelu": (False, _gelu_tanh, _gelu_tanh_grad),
+    "silu": (False, _silu, _silu_grad),
+    "relu2": (False, _relu2, _relu2_grad),
+}
+
+
+def act_ref(name: str, x):
+    """The activation ``name`` applied elementwise to x (float64)."""
+    return ACTIVATIONS_REF[name][1](np.asarray(x, dtype=np.float64))
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def _ids(expert_ids, num_experts: int) -> np.ndarray:
+    ids = np.asarray(expert_ids).astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts})")
+    return ids
+
+
+def _unpack(x, w13, w2, gates, expert_ids, activation, b13, b2):
+    if activation not in ACTIVATIONS_REF:
+        raise ValueError(f"unknown activation {activation!r} (expected one of {sorted(ACTIVATIONS_REF)})")
+    gated = ACTIVATIONS_REF[activation][0]
+    x, w13, w2, gates, b13, b2 = (_f64(a) for a in (x, w13, w2, gates, b13, b2))
+    ids = _ids(expert_ids, w13.shape[0])
+    h = w2.shape[2]
+    if w13.shape[1] != (2 * h if gated else h):
+        raise ValueError(f"w13 has {w13.shape[1]} rows, expected {2 * h if gated else h} for {activation}")
+    return gated, x, w13, w2, gates, ids, b13, b2
+
+
+def _preact(x, w13, b13, e, t):
+    """z of the rows x[t] through expert e: (n, R)."""
+    z = x[t] @ w13[e].T
+    if b13 is not None:
+        z = z + b13[e]
+    return z
+
+
+def _hidden(z, gated, act, h):
+    """hcur (n, h) from pre-activations z (n, R)."""
+    if gated:
+        return act(z[:, :h]) * z[:, h:]
+    return act(z)
+
+
+def _expert_output(hcur, w2, b2, e):
+    """o (n, d): expert e's output before the gate."""
+    o = hcur @ w2[e].T
+    if b2 is not None:
+        o = o + b2[e]
+    return o
+
+
+def moe_preact_ref(x, w13, expert_ids, b13=None):
+    """Pre-activations z[t, k] = w13[e] @ x[t] (+ b13[e]), e = expert_ids[t, k].
+
+    x (L, d); w13 (E, R, d); expert_ids (L, K) int; b13 (E, R) or None. Returns float64 (L, K, R),
+    columns [a (gate rows) | b (up rows)] for gated activations.
+    """
+    x, w13, b13 = _f64(x), _f64(w13), _f64(b13)
+    ids = _ids(expert_ids, w13.shape[0])
+    L, K = ids.shape
+    z = np.zeros((L, K, w13.shape[1]))
+    for e in range(w13.shape[0]):
+        t, k = np.nonzero(ids == e)  # the (token, k) pairs routed to expert e
+        z[t, k] = _preact(x, w13, b13, e, t)
+    return z
+
+
+def moe_forward_ref(x, w13, w2, gates, expert_ids, activation, b13=None, b2=None):
+    """The MoE layer's output y (L, d), float64.
+
+    x (L, d); w13 (E, 2h, d) gated / (E, h, d) non-gated; w2 (E, d, h); gates (L, K);
+    expert_ids (L, K) int in [0, E); b13 (E, 2h or h) or None; b2 (E, d) or None. Any float dtype.
+    """
+    gated, x, w13, w2, gates, ids, b13, b2 = _unpack(x, w13, w2, gates, expert_ids, activation, b13, b2)
+    act = ACTIVATIONS_REF[activation][1]
+    h = w2.shape[2]
+    y = np.zeros_like(x)
+    for e in range(w13.shape[0]):
+        t, k = np.nonzero(ids == e)  # the (token, k) pairs routed to expert e
+        hcur = _hidden(_preact(x, w13, b13, e, t), gated, act, h)
+        o = _expert_output(hcur, w2, b2, e)
+        np.add.at(y, t, gates[t, k][:, None] * o)
+    return y
+
+
+def moe_backward_ref(dy, x, w13, w2, gates, expert_ids, activation, b13=None, b2=None):
+    """Gradients of sum(dy * y) for the layer of :func:`moe_forward_ref`, float64.
+
+    dy (L, d); the other arguments as in :func:`moe_forward_ref`. Returns a dict with dx (L, d),
+    dw13 (E, R, d), dw2 (E, d, h), dgates (L, K) where dgates[t, k] = dy[t] . o[t, k] (o includes
+    b2), db13 (E, R) or None, db2 (E, d) or None.
+    """
+    gated, x, w13, w2, gates, ids, b13, b2 = _unpack(x, w13, w2, gates, expert_ids, activation, b13, b2)
+    _, act, dact = ACTIVATIONS_REF[activation]
+    dy = _f64(dy)
+    h = w2.shape[2]
+    dx = np.zeros_like(x)
+    dw13 = np.zeros_like(w13)
+    dw2 = np.zeros_like(w2)
+    dgates = np.zeros(ids.shape)
+    db13 = None if b13 is None else np.zeros_like(b13)
+    db2 = None if b2 is None else np.zeros_like(b2)
+    for e in range(w13.shape[0]):
+        t, k = np.nonzero(ids == e)  # the (token, k) pairs routed to expert e
+        z = _preact(x, w13, b13, e, t)
+        hcur = _hidden(z, gated, act, h)
+        o = _expert_output(hcur, w2, b2, e)
+        dgates[t, k] = np.sum(dy[t] * o, axis=1)
+        do = gates[t, k][:, None] * dy[t]  # (n, d): gradient of o
+        dw2[e] = do.T @ hcur
+        if db2 is not None:
+            db2[e] = do.sum(axis=0)
+        dhcur = do @ w2[e]  # (n, h)
+        if gated:
+            a, b = z[:, :h], z[:, h:]
+            dz = np.concatenate([dhcur * b * dact(a), dhcur * act(a)], axis=1)
+        else:
+            dz = dhcur * dact(z)
+        dw13[e] = dz.T @ x[t]
+        if db13 is not None:
+            db13[e] = dz.sum(axis=0)
+        np.add.at(dx, t, dz @ w13[e])
+    return {"dx": dx, "dw13": dw13, "dw2": dw2, "dgates": dgates, "db13": db13, "db2": db2}

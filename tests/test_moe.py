@@ -1,0 +1,760 @@
+"""The MoE layer (moe_forward / moe_backward) against the float64 NumPy reference.
+
+The reference itself is checked against closed forms (one token, one expert, d = h = 1) and central
+finite differences. Every layer case runs on the CPU backend (the reference path) and, where a GPU
+exists, on CuPy inputs (the kernels), with poisoned outputs and a per-dtype tolerance table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from conftest import assert_close, backends, to_backend, to_numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blazecore
+from blazecore import BF16, moe
+from blazecore._array import logical_dtype
+from blazecore.dispatch import build_dispatch
+from blazecore.reference import moe as ref
+
+# Relative norm error against the float64 reference. The GPU path uses tensor cores with fp32
+# accumulation; 1e-5 for float32 holds only for a true fp32 path (not tf32).
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2, BF16: 1e-2}
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": BF16}
+GRAD_KEYS = ("dx", "dw13", "dw2", "dgates", "db13", "db2")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    L: int
+    d: int
+    h: int
+    E: int
+    K: int
+    routing: str  # random | skewed | few (empty experts) | same (every token on the same K experts)
+
+
+CASES = [
+    Case("L1", 1, 40, 24, 4, 2, "random"),
+    Case("L63", 63, 40, 24, 8, 2, "random"),
+    Case("odd", 37, 24, 40, 5, 3, "skewed"),
+    Case("skewed", 96, 32, 16, 8, 2, "skewed"),
+    Case("empty_experts", 48, 32, 16, 16, 2, "few"),
+    Case("one_expert", 48, 32, 16, 4, 1, "same"),
+    Case("same_two_experts", 40, 32, 16, 6, 2, "same"),
+    Case("K_eq_E", 20, 16, 8, 4, 4, "random"),
+    Case("L0", 0, 32, 16, 4, 2, "random"),
+    Case("E256", 64, 16, 8, 256, 8, "random"),
+    Case("tiles", 515, 96, 80, 8, 2, "skewed"),  # L*K = 1030: not a tile multiple; d, 2h not powers of two
+]
+CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
+DTYPE_PARAMS = [pytest.param(k, id=k) for k in DTYPES]
+ACT_PARAMS = [pytest.param(a, id=a) for a in moe.ACTIVATIONS]
+BIAS_PARAMS = [pytest.param(False, id="nobias"), pytest.param(True, id="bias")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and expected results (cached: the GPU and CPU runs of a case share them)
+# ---------------------------------------------------------------------------------------------
+
+
+def _routing(rng, L: int, E: int, K: int, kind: str) -> np.ndarray:
+    """(L, K) int32 ids, K distinct experts per row."""
+    if kind == "random":
+        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
+    elif kind == "skewed":
+        # sampling without replacement with p(e) ~ (e + 1)^-1.5 (Gumbel top-k): expert 0 is crowded
+        keys = -1.5 * np.log(np.arange(1, E + 1)) + rng.gumbel(size=(L, E))
+        ids = np.argsort(-keys, axis=1)[:, :K]
+    elif kind == "few":
+        used = max(K, E // 4)  # experts used..E-1 get no token
+        ids = np.argsort(rng.random((L, used)), axis=1)[:, :K]
+    elif kind == "same":
+        base = rng.permutation(E)[:K]
+        ids = np.stack([rng.permutation(base) for _ in range(L)]) if L else np.zeros((0, K), np.int64)
+    else:
+        raise ValueError(kind)
+    return np.ascontiguousarray(ids, dtype=np.int32).reshape(L, K)
+
+
+def _readonly(a):
+    if a is not None:
+        a.flags.writeable = False
+    return a
+
+
+def _make(rng, case: Case, dtype: np.dtype, activation: str, bias: bool, routing: str | None = None) -> dict:
+    L, d, h, E, K = case.L, case.d, case.h, case.E, case.K
+    R = 2 * h if moe.activation_info(activation) else h
+    inp = {
+        "x": rng.standard_normal((L, d)).astype(dtype),
+        "w13": (rng.standard_normal((E, R, d)) / math.sqrt(d)).astype(dtype),
+        "w2": (rng.standard_normal((E, d, h)) / math.sqrt(h)).astype(dtype),
+        "b13": (0.1 * rng.standard_normal((E, R))).astype(dtype) if bias else None,
+        "b2": (0.1 * rng.standard_normal((E, d))).astype(dtype) if bias else None,
+        "ids": _routing(rng, L, E, K, routing or case.routing),
+        "dy": rng.standard_normal((L, d)).astype(dtype),
+    }
+    g = rng.random((L, K)) + 0.1
+    inp["gates"] = (g / g.sum(axis=1, keepdims=True)).astype(np.float32)
+    return inp
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs(case: Case, dname: str, activation: str, bias: bool) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"{case}-{dname}-{activation}-{bias}".encode()))
+    return {k: _readonly(v) for k, v in _make(rng, case, DTYPES[dname], activation, bias).items()}
+
+
+def _reference(inp: dict, activation: str):
+    y = ref.moe_forward_ref(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
+                            inp["b13"], inp["b2"])
+    g = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
+                             inp["b13"], inp["b2"])
+    return y, g
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(case: Case, dname: str, activation: str, bias: bool):
+    return _reference(_inputs(case, dname, activation, bias), activation)
+
+
+def _on(inp: dict, backend: str) -> dict:
+    return {k: (None if v is None else to_backend(v, backend)) for k, v in inp.items()}
+
+
+def _run(dev: dict, activation: str, checkpoint: str = "ab", **kw):
+    y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], activation=activation,
+                               checkpoint=checkpoint, b13=dev["b13"], b2=dev["b2"], **kw)
+    grads = moe.moe_backward(dev["dy"], saved)
+    return y, saved, grads
+
+
+def _check_against(y, grads, inp: dict, exp, rtol: float, what: str = "") -> None:
+    y_ref, g_ref = exp
+    dtype = np.dtype(inp["x"].dtype)
+    assert logical_dtype(blazecore.asarray(y)) == dtype
+    assert_close(y, y_ref, rtol, f"{what}y")
+    for key in GRAD_KEYS:
+        got, want = getattr(grads, key), g_ref[key]
+        if want is None:
+            assert got is None, f"{key}: expected None without a bias"
+            continue
+        want_dtype = np.dtype(np.float32) if key == "dgates" else dtype
+        assert logical_dtype(blazecore.asarray(got)) == want_dtype, f"{key}: dtype"
+        assert_close(got, want, rtol, f"{what}{key}")
+
+
+def _bytes(a) -> bytes:
+    return b"" if a is None else np.ascontiguousarray(to_numpy(a)).tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference itself
+# ---------------------------------------------------------------------------------------------
+
+
+def _scalar_act(name: str, v: float) -> float:
+    if name in ("swiglu", "silu"):
+        return v / (1.0 + math.exp(-v))
+    if name in ("geglu", "gelu"):
+        return 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+    return max(v, 0.0) ** 2
+
+
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+def test_reference_closed_form(activation):
+    """One token, one expert, d = h = 1: y = g * (w2 * hcur + b2) written out by hand."""
+    gated = moe.activation_info(activation)
+    xv, wa, wb, w2v, ba, bb, b2v, gv = 0.7, -1.3, 0.9, 1.1, 0.2, -0.4, 0.05, 0.6
+    x = np.array([[xv]])
+    w13 = np.array([[[wa], [wb]]]) if gated else np.array([[[wa]]])
+    b13 = np.array([[ba, bb]]) if gated else np.array([[ba]])
+    w2 = np.array([[[w2v]]])
+    b2 = np.array([[b2v]])
+    gates = np.array([[gv]], dtype=np.float32)
+    ids = np.zeros((1, 1), np.int32)
+    a = wa * xv + ba
+    hcur = _scalar_act(activation, a) * (wb * xv + bb) if gated else _scalar_act(activation, a)
+    o = w2v * hcur + b2v
+    y = ref.moe_forward_ref(x, w13, w2, gates, ids, activation, b13, b2)
+    np.testing.assert_allclose(y, [[float(np.float32(gv)) * o]], rtol=1e-14)
+    g = ref.moe_backward_ref(np.ones((1, 1)), x, w13, w2, gates, ids, activation, b13, b2)
+    np.testing.assert_allclose(g["dgates"], [[o]], rtol=1e-14)
+    np.testing.assert_allclose(g["db2"], [[float(np.float32(gv))]], rtol=1e-14)
+    np.testing.assert_allclose(g["dw2"], [[[float(np.float32(gv)) * hcur]]], rtol=1e-14)
+
+
+def _fd_grads(inp: dict, activation: str, eps: float = 1e-6) -> dict:
+    """Central differences of loss = sum(dy * y) for every element of every differentiable input."""
+    p = {k: (None if v is None else np.array(v, dtype=np.float64)) for k, v in inp.items()}
+
+    def loss():
+        y = ref.moe_forward_ref(p["x"], p["w13"], p["w2"], p["gates"], p["ids"], activation, p["b13"], p["b2"])
+        return float(np.sum(y * p["dy"]))
+
+    out = {}
+    for key, name in (("dx", "x"), ("dw13", "w13"), ("dw2", "w2"), ("dgates", "gates"), ("db13", "b13"),
+                      ("db2", "b2")):
+        a = p[name]
+        if a is None:
+            out[key] = None
+            continue
+        fd = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            v = a[idx]
+            a[idx] = v + eps
+            lp = loss()
+            a[idx] = v - eps
+            lm = loss()
+            a[idx] = v
+            fd[idx] = (lp - lm) / (2 * eps)
+        out[key] = fd
+    return out
+
+
+@pytest.mark.parametrize("bias", BIAS_PARAMS)
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+def test_reference_backward_vs_finite_differences(activation, bias):
+    case = Case("fd", 4, 5, 3, 3, 2, "random")
+    rng = np.random.default_rng(zlib.crc32(f"fd-{activation}-{bias}".encode()))
+    inp = _make(rng, case, np.dtype(np.float64), activation, bias)
+    inp["gates"] = inp["gates"].astype(np.float64)
+    g = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
+                             inp["b13"], inp["b2"])
+    fd = _fd_grads(inp, activation)
+    for key in GRAD_KEYS:
+        if fd[key] is None:
+            assert g[key] is None
+            continue
+        assert_close(g[key], fd[key], 1e-7, f"{key} vs finite differences")
+
+
+def test_reference_unknown_activation():
+    with pytest.raises(ValueError, match="unknown activation"):
+        ref.moe_forward_ref(np.zeros((1, 2)), np.zeros((1, 2, 2)), np.zeros((1, 2, 2)), np.ones((1, 1)),
+                            np.zeros((1, 1), np.int32), "tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small API pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def test_activation_info():
+    assert moe.ACTIVATIONS == ("swiglu", "geglu", "gelu", "silu", "relu2")
+    assert [moe.activation_info(a) for a in moe.ACTIVATIONS] == [True, True, False, False, False]
+    assert set(moe.ACTIVATIONS) == set(ref.ACTIVATIONS_REF)
+    for name in ("tanh", "SwiGLU", None):
+        with pytest.raises(ValueError, match="unknown activation"):
+            moe.activation_info(name)
+
+
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+def test_moe_flops(activation):
+    L, d, h, K = 1000, 64, 48, 4
+    R = 2 * h if moe.activation_info(activation) else h
+    fwd = 2 * L * K * d * R + 2 * L * K * h * d  # z = x w13^T, o = hcur w2^T
+    bwd = 2 * fwd  # dx and dw13 per first GEMM; dhcur and dw2 per second
+    assert moe.moe_flops(L, d, h, K, activation) == fwd + bwd
+    assert moe.moe_flops(L, d, h, K, activation) == (18 if R == 2 * h else 12) * L * K * d * h
+    with pytest.raises(ValueError):
+        moe.moe_flops(L, d, h, K, "tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", BIAS_PARAMS)
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+@pytest.mark.parametrize("dname", DTYPE_PARAMS)
+@pytest.mark.parametrize("case", CASE_PARAMS)
+@pytest.mark.parametrize("backend", backends())
+def test_layer_vs_reference(backend, case, dname, activation, bias):
+    inp = _inputs(case, dname, activation, bias)
+    y, saved, grads = _run(_on(inp, backend), activation)
+    _check_against(y, grads, inp, _expected(case, dname, activation, bias), TOL[DTYPES[dname]])
+    assert to_numpy(y).shape == (case.L, case.d)
+    # experts without a token get exact zeros (not just small values)
+    counts = np.bincount(inp["ids"].reshape(-1), minlength=case.E)
+    for key in ("dw13", "dw2", "db13", "db2"):
+        g = getattr(grads, key)
+        if g is not None:
+            got = np.asarray(to_numpy(g), dtype=np.float64)[counts == 0]
+            assert not np.any(got), f"{key}: nonzero gradient for an expert with no token"
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_random_shapes(backend):
+    """Hypothesis draws shapes and routings (d and h multiples of 8: 16-byte rows in every dtype)."""
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(
+        L=st.integers(0, 130),
+        d8=st.integers(1, 12),
+        h8=st.integers(1, 8),
+        E=st.integers(1, 20),
+        k_frac=st.floats(0.0, 1.0),
+        routing=st.sampled_from(["random", "skewed", "few", "same"]),
+        dname=st.sampled_from(list(DTYPES)),
+        activation=st.sampled_from(moe.ACTIVATIONS),
+        bias=st.booleans(),
+        checkpoint=st.sampled_from(moe.CHECKPOINTS),
+        seed=st.integers(0, 2**31 - 1),
+    )
+    def check(L, d8, h8, E, k_frac, routing, dname, activation, bias, checkpoint, seed):
+        K = 1 + int(k_frac * (min(E, 8) - 1))
+        case = Case("hyp", L, 8 * d8, 8 * h8, E, K, routing)
+        inp = _make(np.random.default_rng(seed), case, DTYPES[dname], activation, bias)
+        y, _, grads = _run(_on(inp, backend), activation, checkpoint)
+        _check_against(y, grads, inp, _reference(inp, activation), TOL[DTYPES[dname]])
+
+    check()
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_zero_tokens(backend):
+    case = next(c for c in CASES if c.L == 0)
+    inp = _inputs(case, "bf16", "swiglu", True)
+    y, saved, grads = _run(_on(inp, backend), "swiglu")
+    assert to_numpy(y).shape == (0, case.d)
+    assert to_numpy(grads.dx).shape == (0, case.d)
+    assert to_numpy(grads.dgates).shape == (0, case.K)
+    for key in ("dw13", "dw2", "db13", "db2"):
+        g = np.asarray(to_numpy(getattr(grads, key)), dtype=np.float64)
+        assert g.size and not np.any(g), f"{key} must be all zeros for L = 0"
+
+
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+@pytest.mark.parametrize("dname", DTYPE_PARAMS)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES if c.name in ("L63", "E256", "tiles")])
+@pytest.mark.parametrize("backend", backends())
+def test_checkpoint_policies_agree(backend, case, dname, activation):
+    """"ab" and "none" compute the same layer: same y bits; CPU gradients bit-identical too."""
+    inp = _inputs(case, dname, activation, True)
+    dev = _on(inp, backend)
+    y_ab, s_ab, g_ab = _run(dev, activation, "ab")
+    y_no, s_no, g_no = _run(dev, activation, "none")
+    assert _bytes(y_ab) == _bytes(y_no), "y differs between checkpoint policies"
+    R = s_ab.w13.shape[1]
+    assert s_no.ab is None
+    assert s_ab.ab is None or tuple(to_numpy(s_ab.ab).shape) == (case.L * case.K, R)
+    if backend == "cpu":
+        for key in GRAD_KEYS:
+            assert _bytes(getattr(g_ab, key)) == _bytes(getattr(g_no, key)), f"{key} differs between policies"
+        assert s_ab.held_bytes() - s_no.held_bytes() == case.L * case.K * R * DTYPES[dname].itemsize
+    else:
+        # the recompute may round differently from the saved pre-activations; both must be accurate
+        exp = _expected(case, dname, activation, True)
+        _check_against(y_no, g_no, inp, exp, TOL[DTYPES[dname]], "none: ")
+        _check_against(y_ab, g_ab, inp, exp, TOL[DTYPES[dname]], "ab: ")
+        for key in GRAD_KEYS:
+            if getattr(g_ab, key) is not None:
+                assert_close(getattr(g_no, key), np.asarray(to_numpy(getattr(g_ab, key)), np.float64),
+                             TOL[DTYPES[dname]], f"{key}: none vs ab")
+
+
+@pytest.mark.parametrize("dname", DTYPE_PARAMS)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES if c.name in ("odd", "empty_experts")])
+@pytest.mark.parametrize("backend", backends())
+def test_saved_preactivations(backend, case, dname):
+    """Policy "ab" keeps z of every slot, (L*K, R) in x's dtype, columns [a | b], in the dispatch's slot order."""
+    activation = "swiglu"
+    inp = _inputs(case, dname, activation, True)
+    _, saved, _ = _run(_on(inp, backend), activation, "ab")
+    assert saved.checkpoint == "ab" and saved.activation == activation
+    if saved.ab is None:  # the GPU path may keep them in saved.extra instead
+        assert backend == "gpu"
+        return
+    ab = to_numpy(saved.ab)
+    R = 2 * case.h
+    assert ab.shape == (case.L * case.K, R) and ab.dtype == DTYPES[dname]
+    z = ref.moe_preact_ref(inp["x"], inp["w13"], inp["ids"], inp["b13"])
+    slot_token, slot_k = (to_numpy(a).astype(np.int64) for a in (saved.dispatch.slot_token, saved.dispatch.slot_k))
+    assert_close(ab, z[slot_token, slot_k], TOL[DTYPES[dname]], "ab")
+    # slot order: by expert, then token, then k
+    experts = np.repeat(np.arange(case.E), np.diff(to_numpy(saved.dispatch.expert_offsets)))
+    assert np.array_equal(inp["ids"][slot_token, slot_k], experts)
+
+
+@pytest.mark.parametrize("dname", DTYPE_PARAMS)
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "relu2")])
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("backend", backends())
+def test_deterministic(backend, checkpoint, activation, dname):
+    """Forward and backward twice on the same inputs: the same bytes (no atomics in the combine)."""
+    case = next(c for c in CASES if c.name == "tiles")
+    inp = _inputs(case, dname, activation, True)
+    dev = _on(inp, backend)
+    y1, s1, g1 = _run(dev, activation, checkpoint)
+    y2, s2, g2 = _run(dev, activation, checkpoint)
+    assert _bytes(y1) == _bytes(y2), "y not bit-identical run to run"
+    assert _bytes(s1.ab) == _bytes(s2.ab), "saved pre-activations not bit-identical run to run"
+    for key in GRAD_KEYS:
+        assert _bytes(getattr(g1, key)) == _bytes(getattr(g2, key)), f"{key} not bit-identical run to run"
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_out_buffers(backend):
+    case = next(c for c in CASES if c.name == "L63")
+    dname, activation = "bf16", "geglu"
+    inp = _inputs(case, dname, activation, True)
+    dev = _on(inp, backend)
+    dt = DTYPES[dname]
+    L, d, E, K = case.L, case.d, case.E, case.K
+    R, h = inp["w13"].shape[1], case.h
+
+    def buf(shape, dtype):
+        return to_backend(np.full(shape, np.nan, dtype=dtype), backend)
+
+    out = buf((L, d), dt)
+    y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], activation=activation,
+                               b13=dev["b13"], b2=dev["b2"], out=out)
+    assert y is out
+    outs = {"out_dx": buf((L, d), dt), "out_dw13": buf((E, R, d), dt), "out_dw2": buf((E, d, h), dt),
+            "out_dgates": buf((L, K), np.float32)}
+    grads = moe.moe_backward(dev["dy"], saved, **outs)
+    assert grads.dx is outs["out_dx"] and grads.dw13 is outs["out_dw13"]
+    assert grads.dw2 is outs["out_dw2"] and grads.dgates is outs["out_dgates"]
+    _check_against(y, grads, inp, _expected(case, dname, activation, True), TOL[dt])
+
+
+def test_dispatch_passed_in_cpu():
+    case = next(c for c in CASES if c.name == "skewed")
+    inp = _inputs(case, "f32", "swiglu", False)
+    disp = build_dispatch(inp["ids"], case.E)
+    y, saved, grads = _run(inp, "swiglu", dispatch=disp)
+    assert saved.dispatch is disp
+    _check_against(y, grads, inp, _expected(case, "f32", "swiglu", False), TOL[np.dtype(np.float32)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: every check raises a clear error before anything is launched
+# ---------------------------------------------------------------------------------------------
+
+_BAD_CASE = Case("bad", 6, 16, 8, 4, 2, "random")
+
+
+def _bad_inputs(activation: str = "swiglu") -> dict:
+    rng = np.random.default_rng(7)
+    return _make(rng, _BAD_CASE, np.dtype(np.float32), activation, True)
+
+
+class _Final:
+    """A bad value passed exactly as is (not moved to the backend, which would make it contiguous)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _place(v, backend: str):
+    if isinstance(v, _Final):
+        return v.value
+    return to_backend(v, backend) if isinstance(v, np.ndarray) else v
+
+
+def _fwd_kwargs(inp: dict, backend: str) -> dict:
+    """Forward call kwargs from host arrays (moved to the backend unless marked _Final)."""
+    dev = {k: _place(v, backend) for k, v in inp.items()}
+    return {"x": dev["x"], "w13": dev["w13"], "w2": dev["w2"], "gates": dev["gates"], "expert_ids": dev["ids"],
+            "b13": dev["b13"], "b2": dev["b2"]}
+
+
+def _noncontig(a: np.ndarray, backend: str):
+    """The same values as a non-C-contiguous view on the backend (every other element of a wider last axis)."""
+    wide = np.repeat(a, 2, axis=-1)
+    return _Final(to_backend(wide, backend)[..., ::2])
+
+
+def _huge(shape, dtype, backend):
+    """A zero-stride view of the given shape (no memory): size checks run before layout checks."""
+    base = to_backend(np.zeros((1,) * len(shape), dtype=dtype), backend)
+    if backend == "cpu":
+        return _Final(np.broadcast_to(base, shape))
+    import cupy
+
+    return _Final(cupy.broadcast_to(base, shape))
+
+
+def _mod(**changes):
+    def f(inp, backend):
+        for k, v in changes.items():
+            inp[k] = v(inp, backend) if callable(v) else v
+        return {}
+
+    return f
+
+
+def _kw(**kwargs):
+    def f(inp, backend):
+        return {k: _place(v(inp, backend) if callable(v) else v, backend) for k, v in kwargs.items()}
+
+    return f
+
+
+E_, K_, L_, d_, h_ = _BAD_CASE.E, _BAD_CASE.K, _BAD_CASE.L, _BAD_CASE.d, _BAD_CASE.h
+BIG_L = 2**28  # BIG_L * 8 = 2**31 slots: one past int32
+
+FORWARD_BAD = [
+    ("x_float64", _mod(x=lambda i, b: i["x"].astype(np.float64)), TypeError, "x: dtype float64"),
+    ("x_int", _mod(x=lambda i, b: i["x"].astype(np.int32)), TypeError, "x: dtype int32"),
+    ("w13_dtype", _mod(w13=lambda i, b: i["w13"].astype(np.float16)), TypeError, "w13: dtype float16"),
+    ("w2_dtype", _mod(w2=lambda i, b: i["w2"].astype(BF16)), TypeError, "w2: dtype bfloat16"),
+    ("b13_dtype", _mod(b13=lambda i, b: i["b13"].astype(np.float16)), TypeError, "b13: dtype"),
+    ("b2_dtype", _mod(b2=lambda i, b: i["b2"].astype(np.float16)), TypeError, "b2: dtype"),
+    ("gates_f16", _mod(gates=lambda i, b: i["gates"].astype(np.float16)), TypeError, "gates: dtype"),
+    ("gates_f64", _mod(gates=lambda i, b: i["gates"].astype(np.float64)), TypeError, "gates: dtype"),
+    ("ids_float", _mod(ids=lambda i, b: i["ids"].astype(np.float32)), TypeError, "expert_ids"),
+    ("ids_int16", _mod(ids=lambda i, b: i["ids"].astype(np.int16)), TypeError, "expert_ids: dtype int16"),
+    ("x_1d", _mod(x=lambda i, b: i["x"].reshape(-1)), ValueError, "x: expected 2-D"),
+    ("w13_2d", _mod(w13=lambda i, b: i["w13"][0]), ValueError, "w13: expected 3-D"),
+    ("w2_2d", _mod(w2=lambda i, b: i["w2"][0]), ValueError, "w2: expected 3-D"),
+    ("gates_1d", _mod(gates=lambda i, b: i["gates"][:, 0]), ValueError, "gates: expected 2-D"),
+    ("ids_1d", _mod(ids=lambda i, b: i["ids"][:, 0]), ValueError, "expert_ids: expected 2-D"),
+    ("w2_experts", _mod(w2=lambda i, b: np.concatenate([i["w2"], i["w2"][:1]])), ValueError, "w2 has 5 experts"),
+    ("w13_rows_h_gated", _mod(w13=lambda i, b: i["w13"][:, :h_], b13=lambda i, b: i["b13"][:, :h_]), ValueError,
+     "w13 has 8 rows per expert; swiglu"),
+    ("w13_d", _mod(w13=lambda i, b: i["w13"][:, :, :-1]), ValueError, "w13: in-features 15"),
+    ("w2_d", _mod(w2=lambda i, b: i["w2"][:, :-1]), ValueError, "w2: out-features 15"),
+    ("ids_vs_gates", _mod(ids=lambda i, b: i["ids"][:-1]), ValueError, "differs from gates"),
+    ("gates_rows_vs_x", _mod(gates=lambda i, b: i["gates"][:-1], ids=lambda i, b: i["ids"][:-1]), ValueError,
+     "gates has 5 rows"),
+    ("K_gt_E", _mod(gates=lambda i, b: np.ones((L_, E_ + 1), np.float32),
+                    ids=lambda i, b: np.tile(np.arange(E_ + 1, dtype=np.int32), (L_, 1))), ValueError, "exceeds"),
+    ("K_zero", _mod(gates=lambda i, b: np.ones((L_, 0), np.float32), ids=lambda i, b: np.ones((L_, 0), np.int32)),
+     ValueError, "K \\(top_k\\) must be >= 1"),
+    ("E_zero", _mod(w13=lambda i, b: i["w13"][:0], w2=lambda i, b: i["w2"][:0], b13=None, b2=None), ValueError,
+     "must be >= 1"),
+    ("b13_shape", _mod(b13=lambda i, b: i["b13"][:, :-1]), ValueError, "b13: expected shape"),
+    ("b2_shape", _mod(b2=lambda i, b: i["b2"][:-1]), ValueError, "b2: expected shape"),
+    ("slots_overflow_int32", _mod(x=lambda i, b: _huge((BIG_L, d_), np.float32, b),
+                                  gates=lambda i, b: _huge((BIG_L, 8), np.float32, b),
+                                  ids=lambda i, b: _huge((BIG_L, 8), np.int32, b),
+                                  w13=lambda i, b: np.zeros((8, 2 * h_, d_), np.float32),
+                                  w2=lambda i, b: np.zeros((8, d_, h_), np.float32), b13=None, b2=None),
+     ValueError, "int32"),
+    ("x_noncontig", _mod(x=lambda i, b: _noncontig(i["x"], b)), ValueError, "x: must be C-contiguous"),
+    ("w13_noncontig", _mod(w13=lambda i, b: _noncontig(i["w13"], b)), ValueError, "w13: must be C-contiguous"),
+    ("w2_noncontig", _mod(w2=lambda i, b: _noncontig(i["w2"], b)), ValueError, "w2: must be C-contiguous"),
+    ("gates_noncontig", _mod(gates=lambda i, b: _noncontig(i["gates"], b)), ValueError,
+     "gates: must be C-contiguous"),
+    ("ids_noncontig", _mod(ids=lambda i, b: _noncontig(i["ids"], b)), ValueError, "expert_ids: must be C-contig"),
+    ("b2_noncontig", _mod(b2=lambda i, b: _noncontig(i["b2"], b)), ValueError, "b2: must be C-contiguous"),
+    ("ids_too_big", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 3, [[1, E_]], i["ids"]).astype(
+        np.int32)), ValueError, "outside"),
+    ("ids_negative", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 2, [[-1, 0]], i["ids"]).astype(
+        np.int32)), ValueError, "outside"),
+    ("ids_repeat", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 1, [[2, 2]], i["ids"]).astype(
+        np.int32)), ValueError, "repeats"),
+    ("not_an_array", _mod(x="tokens"), TypeError, "x: expected a DLPack array"),
+    ("activation", _kw(activation="tanh"), ValueError, "unknown activation"),
+    ("checkpoint", _kw(checkpoint="all"), ValueError, "unknown checkpoint"),
+    ("nongated_with_2h", _kw(activation="gelu"), ValueError, "w13 has 16 rows per expert; gelu"),
+    ("dispatch_type", _kw(dispatch=lambda i, b: (1, 2, 3)), TypeError, "dispatch: expected"),
+    ("dispatch_E", _kw(dispatch=lambda i, b: build_dispatch(to_backend(i["ids"], b), E_ + 1)), ValueError,
+     "dispatch.num_experts"),
+    ("dispatch_L", _kw(dispatch=lambda i, b: build_dispatch(to_backend(i["ids"][:-1], b), E_)), ValueError,
+     "dispatch.num_tokens"),
+    ("dispatch_K", _kw(dispatch=lambda i, b: build_dispatch(to_backend(i["ids"][:, :1], b), E_)), ValueError,
+     "dispatch.top_k"),
+    ("out_shape", _kw(out=lambda i, b: to_backend(np.zeros((L_, d_ + 1), np.float32), b)), ValueError,
+     "out: shape"),
+    ("out_dtype", _kw(out=lambda i, b: to_backend(np.zeros((L_, d_), np.float16), b)), TypeError, "out: dtype"),
+    ("out_noncontig", _kw(out=lambda i, b: _noncontig(np.zeros((L_, d_), np.float32), b)), ValueError,
+     "out: must be C-contiguous"),
+]
+
+FORWARD_BAD_CPU = [
+    ("dispatch_other_ids", _kw(dispatch=lambda i, b: build_dispatch(np.ascontiguousarray(i["ids"][::-1]), E_)),
+     ValueError, "does not match expert_ids"),
+    ("stream_for_cpu", _kw(stream=0), ValueError, "stream given"),
+]
+
+FORWARD_BAD_GPU = [
+    ("d_unaligned", _mod(x=lambda i, b: i["x"][:, :12], w13=lambda i, b: i["w13"][:, :, :12],
+                         w2=lambda i, b: i["w2"][:, :12], b2=lambda i, b: i["b2"][:, :12]), ValueError,
+     "multiples of 8"),
+    ("x_on_cpu", _mod(x=lambda i, b: _Final(i["x"])), ValueError, "same device"),
+    ("dispatch_on_cpu", _kw(dispatch=lambda i, b: build_dispatch(i["ids"], E_)), ValueError,
+     "dispatch.expert_offsets is on the CPU"),
+    ("out_on_cpu", _kw(out=lambda i, b: _Final(np.zeros((L_, d_), np.float32))), ValueError, "out: on CPU"),
+]
+
+
+def _params(table, marks=()):
+    return [pytest.param(f, exc, match, id=name, marks=marks) for name, f, exc, match in table]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """The GPU layer module replaced by one that fails if called: a check came too late."""
+
+    import blazecore._moe_gpu as real
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the MoE kernels were launched despite a bad input")
+
+    fake = types.SimpleNamespace(forward=launched, backward=launched, check_shapes=real.check_shapes)
+    monkeypatch.setattr(blazecore, "_moe_gpu", fake)
+
+
+@pytest.mark.parametrize("mutate, exc, match", _params(FORWARD_BAD) + _params(FORWARD_BAD_CPU))
+def test_forward_bad_inputs_cpu(mutate, exc, match):
+    inp = _bad_inputs()
+    extra = mutate(inp, "cpu")
+    with pytest.raises(exc, match=match):
+        moe.moe_forward(**_fwd_kwargs(inp, "cpu"), **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutate, exc, match", _params(FORWARD_BAD) + _params(FORWARD_BAD_GPU))
+def test_forward_bad_inputs_gpu(mutate, exc, match, no_launch):
+    inp = _bad_inputs()
+    extra = mutate(inp, "gpu")
+    with pytest.raises(exc, match=match):
+        moe.moe_forward(**_fwd_kwargs(inp, "gpu"), **extra)
+
+
+BACKWARD_BAD = [
+    ("dy_shape", lambda i, s, b: {"dy": to_backend(np.zeros((L_ + 1, d_), np.float32), b)}, ValueError,
+     "dy: expected shape"),
+    ("dy_dtype", lambda i, s, b: {"dy": to_backend(i["dy"].astype(np.float16), b)}, TypeError, "dy: dtype float16"),
+    ("dy_noncontig", lambda i, s, b: {"dy": _noncontig(i["dy"], b)}, ValueError, "dy: must be C-contiguous"),
+    ("saved_type", lambda i, s, b: {"saved": (s.x, s.w13)}, TypeError, "saved: expected the MoESaved"),
+    ("out_dx_shape", lambda i, s, b: {"out_dx": to_backend(np.zeros((L_, d_ + 1), np.float32), b)}, ValueError,
+     "out_dx: shape"),
+    ("out_dw13_dtype", lambda i, s, b: {"out_dw13": to_backend(np.zeros((E_, 2 * h_, d_), np.float16), b)},
+     TypeError, "out_dw13: dtype"),
+    ("out_dw2_shape", lambda i, s, b: {"out_dw2": to_backend(np.zeros((E_, h_, d_), np.float32), b)}, ValueError,
+     "out_dw2: shape"),
+    ("out_dgates_dtype", lambda i, s, b: {"out_dgates": to_backend(np.zeros((L_, K_), np.float16), b)}, TypeError,
+     "out_dgates: dtype"),
+    ("out_dx_noncontig", lambda i, s, b: {"out_dx": _noncontig(np.zeros((L_, d_), np.float32), b)}, ValueError,
+     "out_dx: must be C-contiguous"),
+]
+BACKWARD_BAD_CPU = [("stream_for_cpu", lambda i, s, b: {"stream": 0}, ValueError, "stream given")]
+BACKWARD_BAD_GPU = [
+    ("dy_on_cpu", lambda i, s, b: {"dy": _Final(i["dy"])}, ValueError, "dy is on the CPU"),
+    ("out_dgates_on_cpu", lambda i, s, b: {"out_dgates": _Final(np.zeros((L_, K_), np.float32))}, ValueError,
+     "out_dgates: on CPU"),
+]
+
+
+def _backward_bad(backend: str, f) -> dict:
+    inp = _bad_inputs()
+    _, saved = moe.moe_forward(**_fwd_kwargs(inp, backend))
+    args = {"dy": to_backend(inp["dy"], backend), "saved": saved}
+    args.update({k: (v.value if isinstance(v, _Final) else v) for k, v in f(inp, saved, backend).items()})
+    return args
+
+
+@pytest.mark.parametrize("f, exc, match", _params(BACKWARD_BAD) + _params(BACKWARD_BAD_CPU))
+def test_backward_bad_inputs_cpu(f, exc, match):
+    args = _backward_bad("cpu", f)
+    with pytest.raises(exc, match=match):
+        moe.moe_backward(args.pop("dy"), args.pop("saved"), **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f, exc, match", _params(BACKWARD_BAD) + _params(BACKWARD_BAD_GPU))
+def test_backward_bad_inputs_gpu(f, exc, match, monkeypatch):
+    args = _backward_bad("gpu", f)  # a real forward first
+
+    def launched(*a, **k):
+        raise AssertionError("the MoE backward kernels were launched despite a bad input")
+
+    import blazecore._moe_gpu as gpu_mod
+
+    monkeypatch.setattr(gpu_mod, "backward", launched)
+    with pytest.raises(exc, match=match):
+        moe.moe_backward(args.pop("dy"), args.pop("saved"), **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only: CUDA-graph capture with a routing that changes between replays
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("f32", "bf16")])
+def test_cuda_graph_replay_with_new_routing(dname, checkpoint, activation):
+    """Capture dispatch build + forward + backward once; replays follow ids/gates changed in place.
+
+    Nothing in the captured work may read the routing on the host: the graph fixes shapes and
+    pointers only, so the replay after the in-place update must match the reference of the new ids.
+    """
+    import cupy
+
+    case = Case("graph", 300, 64, 32, 8, 2, "skewed")
+    dt = DTYPES[dname]
+    rng = np.random.default_rng(11)
+    inp = _make(rng, case, dt, activation, True)
+    new = _make(rng, case, dt, activation, True, routing="random")
+    for k in ("x", "w13", "w2", "b13", "b2", "dy"):
+        new[k] = inp[k]  # only the routing (ids, gates) changes
+    dev = _on(inp, "gpu")
+    cupy.cuda.Device().synchronize()  # the uploads ran on the default stream; s does not wait for it
+    s = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        disp = build_dispatch(dev["ids"], case.E, validate=False, stream=s)
+        y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], activation=activation,
+                                   checkpoint=checkpoint, b13=dev["b13"], b2=dev["b2"], dispatch=disp, stream=s)
+        grads = moe.moe_backward(dev["dy"], saved, stream=s)
+        return y, saved, grads
+
+    # warm-up outside the capture: compiles and loads every kernel (module loading is not captured)
+    with s:
+        step()
+    s.synchronize()
+
+    # a private pool: blocks the graph uses are never handed to anyone else while it lives
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc), s:
+        s.begin_capture()
+        try:
+            y, saved, grads = step()
+        finally:
+            graph = s.end_capture()
+
+    for label, routing in (("captured routing", inp), ("new routing", new)):
+        dev["ids"].set(routing["ids"], stream=s)
+        dev["gates"].set(routing["gates"], stream=s)
+        graph.launch(stream=s)
+        s.synchronize()
+        _check_against(y, grads, routing, _reference(routing, activation), TOL[dt], f"{label}: ")
+    del graph, y, saved, grads
+    pool.free_all_blocks()
+
+
+@pytest.mark.gpu
+def test_gpu_stream_argument():
+    """An explicit non-default stream gives the same bytes as the current stream."""
+    import cupy
+
+    case = next(c for c in CASES if c.name == "skewed")
+    inp = _inputs(case, "bf16", "swiglu", True)
+    dev = _on(inp, "gpu")
+    y1, _, g1 = _run(dev, "swiglu")
+    cupy.cuda.Device().synchronize()  # s is non-blocking: it does not wait for the default stream
+    s = cupy.cuda.Stream(non_blocking=True)
+    y2, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], b13=dev["b13"],
+                                b2=dev["b2"], stream=s)
+    g2 = moe.moe_backward(dev["dy"], saved, stream=s)
+    s.synchronize()
+    assert _bytes(y1) == _bytes(y2)
+    for key in GRAD_KEYS:
+        assert _bytes(getattr(g1, key)) == _bytes(getattr(g2, key)), key
