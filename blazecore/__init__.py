@@ -5,7 +5,7 @@ CPU arrays run the NumPy reference in ``blazecore.reference``. Importing does no
 context, no compilation, no torch or jax import.
 """
 
-from . import dispatch, moe, route_topk  # noqa: F401  (op modules register their kernels)
+from . import _moe_gpu, dispatch, moe, route_topk  # noqa: F401  (op modules register their kernels)
 from ._array import BF16, allocator, asarray, logical_dtype, set_allocator
 from ._compile import CompileError
 

@@ -14,12 +14,17 @@ dgates partials (L*K, ceil(h/128)) fp32, per-slot dx rows (L*K, d).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import _array, _compile
 from ._array import BF16, logical_dtype
 
 _FILE = "moe.cu"
+_FILE90 = "moe_sm90.cu"
+BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 threads, 1 CTA per SM
+NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4}
 _GATED = {"swiglu", "geglu"}
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
@@ -54,6 +59,23 @@ def _module_names(ct, act):
     return names
 
 
+def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}>"
+
+
+def _module_names90(ct, act):
+    return [_gemm90_name(ct, v[2], v[3], v[4], v[5]) for k, v in _variants(ct, act).items() if v[0] == MODE_M]
+
+
+def _smem90(bn=BN90):
+    stages = 4 if bn == 256 else 6
+    return 1024 + stages * (128 + bn) * 128 + 16 * stages
+
+
+_compile.register_kernels(
+    _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
+)
 _compile.register_kernels(
     _FILE, [n for ct in _CTYPES.values() for a in _ACT_IDS.values() for n in _module_names(ct, a)]
 )
@@ -75,14 +97,28 @@ class _Kernels:
         self.itemsize = np.dtype(dtype).itemsize
         self.names = _module_names(self.ct, self.act)
         self.variants = _variants(self.ct, self.act)
+        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels
+        self.sm90 = (
+            self.itemsize == 2 and _compile.device_arch() == "sm_90a" and os.environ.get("BLAZECORE_SM90", "1") != "0"
+        )
 
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
 
     def gemm(self, which):
+        """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant."""
         v = self.variants[which]
+        if self.sm90 and v[0] == MODE_M:
+            names = _module_names90(self.ct, self.act)
+            fn = _compile.get_function(_FILE90, _gemm90_name(self.ct, *v[2:6]), module_names=names,
+                                       max_dynamic_smem=_smem90())
+            return fn, _smem90(), NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
-        return self.fn(_gemm_name(self.ct, *v), smem), smem
+        return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
+
+    def tiles_n(self, which, n, gated=False):
+        bn = self.gemm(which)[3]
+        return -(-n // (bn // 2)) if gated else -(-n // bn)
 
 
 def _ptr(a):
@@ -92,9 +128,9 @@ def _ptr(a):
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0):
-    fn, smem = kern.gemm(which)
+    fn, smem, threads, _ = kern.gemm(which)
     fn(
-        (int(grid),), (NTHREADS,),
+        (int(grid),), (threads,),
         (
             A, np.int64(lda), B, np.int64(ldb), np.int64(b_estride),
             disp.slot_token, disp.slot_k, disp.expert_offsets, _ptr(tile_offsets),
@@ -125,8 +161,7 @@ def check_shapes(x, w13, w2, activation):
 
 
 def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, zbuf, stream):
-    gated = activation in _GATED
-    tiles_n = -(-h // (BN // 2)) if gated else -(-h // BN)
+    tiles_n = kern.tiles_n("gemm1", h, gated=activation in _GATED)
     d = x.shape[1]
     H2 = w13.shape[1]
     flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
@@ -154,7 +189,8 @@ def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream)
     z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
     _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z.view if z else None, stream)
     obuf = _array.empty_gpu((LK, d), dt).view
-    _launch_gemm(kern, "gemm2", _m_grid(LK, E, -(-d // BN)), stream, A=hbuf, lda=h, B=w2, ldb=h, b_estride=d * h,
+    _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", d)), stream, A=hbuf, lda=h, B=w2, ldb=h,
+                 b_estride=d * h,
                  disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=h, out=obuf, ldo=d,
                  bias=b2, bias_estride=d, gates=gates, topk=K)
     del hbuf
@@ -191,7 +227,7 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, activation, None, z, stream)
 
     # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur
-    tiles_nh = -(-h // BN)
+    tiles_nh = kern.tiles_n("dhcur", h)
     dz = _array.empty_gpu((LK, H2), dt).view
     hg = _array.empty_gpu((LK, h), dt).view
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
@@ -227,7 +263,8 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
              np.int32(K), np.int32(1), db2), stream=stream)
     # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine
     dxs = _array.empty_gpu((LK, d), dt).view
-    _launch_gemm(kern, "dx", _m_grid(LK, E, -(-d // BN)), stream, A=dz, lda=H2, B=w13, ldb=d, b_estride=H2 * d,
+    _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", d)), stream, A=dz, lda=H2, B=w13, ldb=d,
+                 b_estride=H2 * d,
                  disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=H2, out=dxs, ldo=d)
     del dz
     kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (dxs, disp.pair_slot, np.int32(K), np.int32(d), dx),

@@ -1,0 +1,559 @@
+// sm_90a (Hopper) M-grouped expert GEMM: the MODE_M contract of moe_gemm (moe.cu) on wgmma.mma_async.
+//
+//   C[s, n] = sum_k A[row(s), k] * B_e[n, k]   for the slots s of expert e, row(s) = slot_token[s] (A_GATHER) or s
+//
+// A CTA owns (expert e, m-tile of the slot range [offsets[e], offsets[e+1]), n-tile), found through
+// tile_offsets with find_expert exactly as moe_gemm does; surplus CTAs of the upper-bound grid exit.
+//
+// CTA = 3 warpgroups (384 threads):
+//   warpgroup 0     producer: 16-byte cp.async copies of the gathered A rows and of the B tile into a
+//                   STAGES-deep ring of shared-memory stages; each copy lands at its 128-byte-swizzle
+//                   position, and cp.async.mbarrier.arrive.noinc signals the stage's "full" barrier when
+//                   the thread's copies have landed (the tensor copy engine cannot gather rows on sm_90).
+//   warpgroups 1, 2 consumers: tile rows [64 (w-1), 64 w); wait "full", fence.proxy.async (the copies are
+//                   generic-proxy writes, wgmma reads through the async proxy), 4 x wgmma m64nBNk16 per
+//                   64-wide k-tile, commit, wait_group 1, then release the previous stage ("empty").
+//   setmaxnreg moves registers from the producer to the consumers (BN/2 fp32 accumulators per thread).
+// Proxy fence: a generic-proxy write and an async-proxy read of the same bytes are ordered when a
+// fence.proxy.async lies on the causality path between them. The cp.async completion arrives on the
+// mbarrier (release), the consumer's try_wait acquires it, and the consumer's fence follows, so the
+// fence sits on that path. BLZ_SM90_PRODUCER_FENCE=1 selects the conservative alternative instead:
+// each producer thread waits for its own copies (cp.async.wait_group, STAGES-2 k-tiles behind the
+// newest), fences, then arrives normally; it costs prefetch depth.
+//
+// Shared-memory tiles (one stage; every tile starts on a 1024-byte boundary):
+//   A  [BM = 128 rows][64 k] K-major: row r at r * 128 bytes, 16-byte chunk c of the row at chunk
+//      position c ^ (r % 8) (the 128-byte swizzle); 8-row groups are 1024 bytes apart.
+//   B  K-major (weights (E, N, Kd)): [BN rows = output cols][64 k], same layout as A.
+//   B  N-major (weights (E, Kd, N)): BN / 64 atoms of [64 k rows][64 n] (8 KB each), atom a holding
+//      columns [64 a, 64 a + 64); inside an atom k-row r at r * 128 bytes, chunk c at c ^ (r % 8).
+// Descriptors (see make_desc): start address >> 4 in bits 0-13, leading byte offset >> 4 in bits 16-29,
+// stride byte offset >> 4 in bits 32-45, swizzle mode in bits 62-63 (1 = 128-byte swizzle).
+//   K-major : SBO = 1024 (next 8-row group), LBO unused (encoded 1); the k16 step inside the 128-byte
+//             row advances the start address by 32 bytes.
+//   N-major : LBO = 8192 (next 64-column atom), SBO = 1024 (next 8 k-rows); the k16 step advances the
+//             start address by 2048 bytes; the instruction's transpose-B immediate is 1.
+// Gated first GEMM (EPI_ACT with SWIGLU/GEGLU): B rows [0, BN/2) are gate rows n0 + [0, BN/2) and
+// rows [BN/2, BN) the matching up rows N + n0 + [0, BN/2), so accumulator column c pairs with column
+// c + BN/2, which the same thread holds BN/4 registers later (see wg_for_each_gated_pair).
+#pragma once
+#include "moe_common.cuh"
+
+namespace blz {
+
+// Tile bookkeeping shared with moe.cu, which defines the same names without this guard. Until they move
+// into moe_common.cuh under this guard, a translation unit that also holds moe.cu's definitions must
+// #define BLZ_MOE_TILE_COMMON before including this header.
+#ifndef BLZ_MOE_TILE_COMMON
+#define BLZ_MOE_TILE_COMMON
+enum Mode : int { MODE_M = 0, MODE_K = 1 };
+enum Epi : int { EPI_ACT = 0, EPI_ROWSCALE = 1, EPI_DHCUR = 2, EPI_WGRAD = 3 };
+
+// Find the expert owning global m-tile `v`: the largest e with offs[e] <= v.
+__device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offs + mid) <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+#endif
+
+#ifndef BLZ_SM90_PRODUCER_FENCE
+#define BLZ_SM90_PRODUCER_FENCE 0
+#endif
+
+namespace sm90 {
+
+constexpr int BM = 128;            // two consumer warpgroups x 64 rows
+constexpr int BK = 64;             // 16-bit elements: one 128-byte swizzled row per k-tile
+constexpr int ROW_BYTES = 128;
+constexpr int CONSUMER_WGS = 2;
+constexpr int THREADS = 128 * (1 + CONSUMER_WGS);
+constexpr int PRODUCER_REGS = 72;  // setmaxnreg: 128 x 72 + 256 x 216 = 64512 = 384 x 168
+constexpr int CONSUMER_REGS = 216;
+
+template <int BN> struct Cfg {
+  static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
+  static constexpr int STAGES = (BN == 256) ? 4 : 6;
+  static constexpr int A_BYTES = BM * ROW_BYTES;     // 16 KB
+  static constexpr int B_BYTES = BN * ROW_BYTES;     // 32 KB (BN = 256) or 16 KB
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;        // STAGES full + STAGES empty mbarriers
+  static constexpr int SMEM_BYTES = 1024 + BAR_OFFSET + 16 * STAGES;  // + slack to align the base to 1024
+};
+
+// ---- PTX wrappers ------------------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// Arrive on the mbarrier once every cp.async this thread issued so far has landed (count not raised).
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Wait until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving accumulator reads/writes across the asynchronous wgmma window.
+template <int R> __device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle; addresses and offsets in bytes.
+__device__ __forceinline__ unsigned long long make_desc(unsigned smem_addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | ((unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+
+// ---- wgmma.mma_async m64nNk16, fp32 accumulators, A and B from shared memory ----------------------------
+// d[N/2] = A(64 x 16) * B(16 x N) + (scale_d ? d : 0). TRANS_B = 1: B stored N-major.
+template <int N, typename T> struct Wgmma;
+
+#define BLZ_WG_DSTR_128 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define BLZ_WG_DOPS_128 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define BLZ_WG_DSTR_256 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define BLZ_WG_DOPS_256 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+// One specialization per (N, element type); REGS = N / 2 accumulator operands come first, then the two
+// descriptors (%REGS, %REGS+1), scale_d (%REGS+2) and the transpose-B immediate (%REGS+3).
+#define BLZ_WGMMA_SPEC(N, CT, PT, IDA, IDB, ISD, ITB)                                                       \
+  template <> struct Wgmma<N, CT> {                                                                         \
+    template <int TRANS_B>                                                                                  \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da, unsigned long long db, \
+                                               int scale_d) {                                               \
+      asm volatile("{\n.reg .pred sd;\nsetp.ne.b32 sd, %" ISD ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" BLZ_WG_DSTR_##N "}, %" IDA \
+                   ", %" IDB ", sd, 1, 1, 0, %" ITB ";\n}\n"                                                \
+                   : BLZ_WG_DOPS_##N                                                                        \
+                   : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));                                         \
+    }                                                                                                       \
+  };
+BLZ_WGMMA_SPEC(128, __nv_bfloat16, "bf16", "64", "65", "66", "67")
+BLZ_WGMMA_SPEC(128, __half, "f16", "64", "65", "66", "67")
+BLZ_WGMMA_SPEC(256, __nv_bfloat16, "bf16", "128", "129", "130", "131")
+BLZ_WGMMA_SPEC(256, __half, "f16", "128", "129", "130", "131")
+#undef BLZ_WGMMA_SPEC
+#undef BLZ_WG_DSTR_128
+#undef BLZ_WG_DOPS_128
+#undef BLZ_WG_DSTR_256
+#undef BLZ_WG_DOPS_256
+
+// ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
+// Thread t (0..127) of the warpgroup holds N/2 floats. Register i sits at
+//   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2)          (within the warpgroup's 64 rows)
+//   col = 8 (i / 4) + 2 (t % 4) + (i % 2)                       (within N)
+// so registers 4j + 2h + {0, 1} are the adjacent columns 8j + 2(t % 4) + {0, 1} of row slot h.
+__device__ __forceinline__ int acc_row(int i, int t) {
+  return ((t >> 5) << 4) + ((t & 31) >> 2) + (((i >> 1) & 1) << 3);
+}
+__device__ __forceinline__ int acc_col(int i, int t) { return ((i >> 2) << 3) + ((t & 3) << 1) + (i & 1); }
+__host__ __device__ constexpr int acc_reg(int j, int h) { return 4 * j + 2 * h; }
+
+// f(h, row, col, v0, v1) for every pair of adjacent columns the thread holds; h in {0, 1} is the row
+// slot (row = acc_row(0, t) + 8 h) and is a compile-time constant after unrolling, so per-row state
+// kept in 2-element arrays indexed by h stays in registers. Rows are visited in order, each row's
+// columns left to right.
+template <int N, class F>
+__device__ __forceinline__ void wg_for_each_pair(const float (&acc)[N / 2], int t, F&& f) {
+  const int r = acc_row(0, t), c = acc_col(0, t);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) f(h, r + 8 * h, c + 8 * j, acc[acc_reg(j, h)], acc[acc_reg(j, h) + 1]);
+}
+// Gated tiles: f(h, row, col, a0, a1, b0, b1) for col < N/2, with (a0, a1) the gate columns col, col+1
+// and (b0, b1) the up columns col + N/2, col + N/2 + 1 (registers N/4 further on).
+template <int N, class F>
+__device__ __forceinline__ void wg_for_each_gated_pair(const float (&acc)[N / 2], int t, F&& f) {
+  const int r = acc_row(0, t), c = acc_col(0, t);
+  constexpr int UP = N / 16;  // column groups between a gate column and its up column
+  static_assert(acc_reg(UP, 0) == N / 4, "gate/up register distance");
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < N / 16; ++j)
+      f(h, r + 8 * h, c + 8 * j, acc[acc_reg(j, h)], acc[acc_reg(j, h) + 1], acc[acc_reg(j + UP, h)],
+        acc[acc_reg(j + UP, h) + 1]);
+}
+
+}  // namespace sm90
+
+// ---- the kernel ----------------------------------------------------------------------------------------
+// Same parameter list as moe_gemm (MODE_M); M and o_estride are unused here. T is __nv_bfloat16 or __half.
+// Launch: grid = (ceil(L*K / 128) + E) * tiles_n with tiles_n = ceil(N / (GATED ? BN/2 : BN)),
+// block = sm90::THREADS (384), dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES.
+template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
+    const T* __restrict__ A, long long lda,
+    const T* __restrict__ B, long long ldb, long long b_estride,
+    const int* __restrict__ slot_token,
+    const int* __restrict__ slot_k,
+    const int* __restrict__ offsets,
+    const int* __restrict__ tile_offsets,
+    int num_experts, int M, int N, int Kd,
+    T* __restrict__ out, long long ldo, long long o_estride,
+    T* __restrict__ out2, long long ldo2,
+    const T* __restrict__ aux, long long ldaux,
+    const T* __restrict__ bias, long long bias_estride,
+    const float* __restrict__ gates, int topk,
+    float* __restrict__ part, int part_ld,
+    int flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
+  // local names (moe.cu has its own BM, BK, STAGES at namespace scope)
+  constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
+  using C = sm90::Cfg<BN>;
+  constexpr int STAGES = C::STAGES;
+  constexpr int EPC = 8;  // elements per 16-byte chunk
+  constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  extern __shared__ unsigned char sm90_smem[];
+  const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+
+  // ---- which tile (as moe_gemm MODE_M) ---------------------------------------------------------------
+  const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
+  const long long bid = blockIdx.x;
+  const int tmg = static_cast<int>(bid / tiles_n);
+  const int tn = static_cast<int>(bid % tiles_n);
+  if (tmg >= __ldg(tile_offsets + num_experts)) return;  // surplus tile of the upper-bound grid
+  const int e = find_expert(tile_offsets, num_experts, tmg);
+  const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
+  const int m_end = __ldg(offsets + e + 1);
+  const int num_kt = (Kd + BK - 1) / BK;
+  const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 128);                       // one arrival per producer thread
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================================ producer warpgroup ================================
+    sm90::setmaxnreg_dec<sm90::PRODUCER_REGS>();
+    // A: 8 threads per 128-byte row, rows r0 + 16 i; the swizzled chunk position is the same for all i.
+    // Source rows are kept as 32-bit row indices (-1: past the expert's slots, zero-filled).
+    const int cc = tid & 7, r0 = tid >> 3;
+    const unsigned a_sw = static_cast<unsigned>((cc ^ (r0 & 7)) << 4);
+    int a_row[BM / 16];
+#pragma unroll
+    for (int i = 0; i < BM / 16; ++i) {
+      const int s = m0 + r0 + 16 * i;
+      a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+    }
+    // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
+    // the up rows N + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
+    // offsets (within expert e) of this thread's first gate (or plain) row and first up row.
+    // B N-major: CPR 16-byte chunks per k-row, RPP k-rows per pass; chunk column cn; b_off0: element
+    // offset of (k-row rb, this chunk's global column); b_ok: that column is in range.
+    constexpr int CPR = BN / EPC, RPP = 128 / CPR;
+    const int cn = tid % CPR, rb = tid / CPR;
+    unsigned b_ok = 0;
+    long long b_off0 = 0, b_off1 = 0;
+    if constexpr (B_KMAJOR) {
+      constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
+      b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
+      b_off1 = (long long)(N + n0 + r0) * ldb + cc * EPC;
+    } else {
+      int n, col;
+      if constexpr (GATED) {
+        n = n0 + (cn % (CPR / 2)) * EPC;
+        col = (cn < CPR / 2) ? n : N + n;
+      } else {
+        n = n0 + cn * EPC;
+        col = n;
+      }
+      b_ok = n < N ? 1u : 0u;
+      b_off0 = (long long)rb * ldb + col;
+    }
+    const unsigned b_atom = static_cast<unsigned>((cn >> 3) * (BK * ROW_BYTES)), b_j = cn & 7;
+    const T* Be = B + (long long)e * b_estride;
+
+    int stage = 0;
+    unsigned phase = 0;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+      const int k0 = kt * BK;
+      const int kc = k0 + cc * EPC;
+      const bool kok = kc < Kd;
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const bool ok = kok && a_row[i] >= 0;
+        sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? A + (long long)a_row[i] * lda + kc : A,
+                           ok ? 16 : 0);
+      }
+      if constexpr (B_KMAJOR) {
+        constexpr int ROWS = GATED ? BN / 32 : BN / 16;
+        const long long step = 16 * ldb;
+#pragma unroll
+        for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+          const T* src = Be + (half ? b_off1 : b_off0) + k0;
+#pragma unroll
+          for (int i = 0; i < ROWS; ++i, src += step) {
+            const bool ok = kok && ((b_ok >> i) & 1u);
+            sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok ? 16 : 0);
+          }
+        }
+      } else {
+        // k-rows rb + RPP i of BN/64 atoms [64 k][64 n]
+        const long long step = RPP * ldb;
+        const T* src = Be + b_off0 + (long long)k0 * ldb;
+#pragma unroll
+        for (int i = 0; i < BK / RPP; ++i, src += step) {
+          const int r = rb + RPP * i;
+          const bool ok = b_ok && k0 + r < Kd;
+          sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
+                             ok ? src : B, ok ? 16 : 0);
+        }
+      }
+#if BLZ_SM90_PRODUCER_FENCE
+      // signal k-tile kt - LAG: its copies have landed, fence them into the async proxy, then arrive
+      constexpr int LAG = STAGES - 2;
+      cp_async_commit();
+      if (kt >= LAG) {
+        cp_async_wait<LAG>();
+        sm90::fence_proxy_async_smem();
+        sm90::mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
+      }
+#else
+      sm90::cp_async_arrive_noinc(full0 + 8 * stage);
+#endif
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+#if BLZ_SM90_PRODUCER_FENCE
+    cp_async_wait<0>();
+    sm90::fence_proxy_async_smem();
+    for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
+      sm90::mbar_arrive(full0 + 8 * (kt % STAGES));
+#else
+    sm90::cp_async_wait_all();
+#endif
+  } else {
+    // ================================ consumer warpgroups ================================
+    sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
+    const int cw = (tid >> 7) - 1;  // rows [64 cw, 64 cw + 64) of the tile
+    const int t = tid & 127;
+    // No zero-fill before the mainloop (a non-wgmma write of the accumulators would make ptxas
+    // serialize the wgmma pipeline, C7515): the first wgmma runs with scale_d = 0 instead.
+    float acc[BN / 2];
+
+    const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * ROW_BYTES, 16, 1024);
+    const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::A_BYTES, 16, 1024)
+                                            : sm90::make_desc(sbase + C::A_BYTES, BK * ROW_BYTES, 1024);
+    constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * ROW_BYTES) >> 4;  // k16 step, encoded
+
+    int stage = 0, prev = 0;
+    unsigned phase = 0;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      sm90::mbar_wait(full0 + 8 * stage, phase);
+#if !BLZ_SM90_PRODUCER_FENCE
+      sm90::fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
+#endif
+      sm90::fence_regs(acc);
+      sm90::wgmma_fence();
+      const unsigned long long soff = static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks)
+        sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
+                                                           (kt | ks) != 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
+      sm90::fence_regs(acc);
+      if (kt > 0 && (t & 31) == 0) sm90::mbar_arrive(empty0 + 8 * prev);
+      prev = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_regs(acc);
+    if (num_kt == 0) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    }
+
+    // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) ----------------------
+    const int srow0 = m0 + cw * 64;  // slot of warpgroup row 0
+    if constexpr (EPI == EPI_ACT) {
+      const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+      const bool store_h = flags & 1, store_z = flags & 2;
+      if constexpr (GATED) {
+        sm90::wg_for_each_gated_pair<BN>(acc, t, [&](int, int r, int c, float a0, float a1, float b0, float b1) {
+          const int s = srow0 + r, n = n0 + c;
+          if (s >= m_end || n >= N) return;
+          if (be) {
+            float x0, x1, y0, y1;
+            load2<T>(be + n, x0, x1);
+            load2<T>(be + N + n, y0, y1);
+            a0 += x0; a1 += x1; b0 += y0; b1 += y1;
+          }
+          if (store_z) {
+            store2<T>(out2 + (long long)s * ldo2 + n, a0, a1);
+            store2<T>(out2 + (long long)s * ldo2 + N + n, b0, b1);
+          }
+          if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+        });
+      } else {
+        sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float z0, float z1) {
+          const int s = srow0 + r, n = n0 + c;
+          if (s >= m_end || n >= N) return;
+          if (be) {
+            float x0, x1;
+            load2<T>(be + n, x0, x1);
+            z0 += x0; z1 += x1;
+          }
+          if (store_z) store2<T>(out2 + (long long)s * ldo2 + n, z0, z1);
+          if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(z0), act_f<ACT>(z1));
+        });
+      }
+    } else if constexpr (EPI == EPI_ROWSCALE) {
+      const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+      float gs[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = srow0 + sm90::acc_row(2 * h, t);
+        gs[h] = (gates && s < m_end) ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 1.f;
+      }
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float o0, float o1) {
+        const int s = srow0 + r, n = n0 + c;
+        if (s >= m_end || n >= N) return;
+        if (be) {
+          float x0, x1;
+          load2<T>(be + n, x0, x1);
+          o0 += x0; o1 += x1;
+        }
+        store2<T>(out + (long long)s * ldo + n, o0 * gs[h], o1 * gs[h]);
+      });
+    } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h)
+      constexpr bool G2 = act_gated(ACT);
+      float gs[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int s = srow0 + sm90::acc_row(2 * h, t);
+        gs[h] = (s < m_end) ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 0.f;
+      }
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float d0, float d1) {
+        const int s = srow0 + r, n = n0 + c;
+        if (s >= m_end || n >= N) return;
+        const T* zr = aux + (long long)s * ldaux;
+        float a0, a1;
+        load2<T>(zr + n, a0, a1);
+        if constexpr (G2) {
+          float b0, b1;
+          load2<T>(zr + N + n, b0, b1);
+          const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
+          const float h0 = s0 * b0, h1 = s1 * b1;
+          psum[h] += d0 * h0 + d1 * h1;
+          const float dh0 = gs[h] * d0, dh1 = gs[h] * d1;
+          store2<T>(out + (long long)s * ldo + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
+          store2<T>(out + (long long)s * ldo + N + n, dh0 * s0, dh1 * s1);
+          store2<T>(out2 + (long long)s * ldo2 + n, gs[h] * h0, gs[h] * h1);
+        } else {
+          const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
+          psum[h] += d0 * h0 + d1 * h1;
+          store2<T>(out + (long long)s * ldo + n, gs[h] * d0 * act_grad<ACT>(a0), gs[h] * d1 * act_grad<ACT>(a1));
+          store2<T>(out2 + (long long)s * ldo2 + n, gs[h] * h0, gs[h] * h1);
+        }
+      });
+      // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = psum[h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const int s = srow0 + sm90::acc_row(2 * h, t);
+        if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
+      }
+    }
+  }
+#else
+  // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
+  __trap();
+#endif
+}
+
+}  // namespace blz
