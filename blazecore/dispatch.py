@@ -416,7 +416,8 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True, strea
             device-to-host read, which synchronises the stream; pass ``validate=False`` to skip it
             (required under CUDA graph capture, and the fast path). Unvalidated kernels still never
             read or write out of bounds: an id outside [0, E) is clamped into range and a repeated id
-            is placed like any other, so bad ids give a well-formed but meaningless dispatch.
+            is placed like any other, so bad ids give a well-formed but meaningless dispatch (the CPU
+            reference clamps too, but leaves the entries of a repeated id at -1).
         stream: cupy Stream or raw ``cudaStream_t`` int for GPU inputs (default: cupy's current
             stream). Outputs and workspace are allocated, and kernels launched, under it.
 

@@ -493,6 +493,7 @@ def test_gpu_graph_capture_and_replay():
     L, K, E = 100_000, 4, 128  # three launches: count, scan over tiles, scatter
     assert D.plan(L * K, E).mode == D.MODE_SCANNED
     ids = cupy.asarray(routing(rng, L, K, E, "uniform"))
+    cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         build_dispatch(ids, E, validate=False, stream=s)  # warm-up: compile, fill the memory pool
@@ -521,14 +522,30 @@ def test_gpu_side_stream_and_allocator():
 
     L, K, E = 50_000, 2, 256
     ids = routing(np.random.default_rng(4), L, K, E, "skewed")
+    ids_gpu = cupy.asarray(ids)
+    cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
     s = cupy.cuda.Stream(non_blocking=True)
     with _array.allocator(alloc):
-        d = build_dispatch(cupy.asarray(ids), E, stream=s, validate=False)
+        d = build_dispatch(ids_gpu, E, stream=s, validate=False)
     s.synchronize()
     p = D.plan(L * K, E)
     assert sorted(calls) == sorted([((E + 1,), "int32"), ((L * K,), "int32"), ((L * K,), "int32"),
                                     ((L, K), "int32"), ((p.num_tiles * E + E,), "int32")])
     check_dispatch(d, ids, E, "gpu")
+
+
+@pytest.mark.gpu
+def test_gpu_raw_stream_handle():
+    """``stream`` may be a raw cudaStream_t (what a framework adapter passes)."""
+    import cupy
+
+    ids = routing(np.random.default_rng(6), 20_000, 8, 64, "uniform")
+    ids_gpu = cupy.asarray(ids)
+    cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
+    s = cupy.cuda.Stream(non_blocking=True)
+    d = build_dispatch(ids_gpu, 64, stream=s.ptr)
+    s.synchronize()
+    check_dispatch(d, ids, 64, "gpu")
 
 
 @pytest.mark.gpu
