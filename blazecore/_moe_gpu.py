@@ -64,8 +64,18 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}>"
 
 
+def _wgrad90_name(ct, a_gather, b_gather):
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}>"
+
+
+def _name90(ct, v):
+    mode, _, b_kmajor, epi, act, a_gather, b_gather = v
+    return _gemm90_name(ct, b_kmajor, epi, act, a_gather) if mode == MODE_M else _wgrad90_name(ct, a_gather, b_gather)
+
+
 def _module_names90(ct, act):
-    return [_gemm90_name(ct, v[2], v[3], v[4], v[5]) for k, v in _variants(ct, act).items() if v[0] == MODE_M]
+    return [_name90(ct, v) for v in _variants(ct, act).values()]
 
 
 def _smem90(bn=BN90):
@@ -108,10 +118,9 @@ class _Kernels:
     def gemm(self, which):
         """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant."""
         v = self.variants[which]
-        if self.sm90 and v[0] == MODE_M:
+        if self.sm90:
             names = _module_names90(self.ct, self.act)
-            fn = _compile.get_function(_FILE90, _gemm90_name(self.ct, *v[2:6]), module_names=names,
-                                       max_dynamic_smem=_smem90())
+            fn = _compile.get_function(_FILE90, _name90(self.ct, v), module_names=names, max_dynamic_smem=_smem90())
             return fn, _smem90(), NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
         return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
@@ -245,11 +254,12 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
     )
     del part
     # dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order
-    _launch_gemm(kern, "dw2", E * -(-d // BM) * -(-h // BN), stream, A=dy, lda=d, B=hg, ldb=h, b_estride=0,
+    _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=hg, ldb=h, b_estride=0,
                  disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h, o_estride=d * h)
     del hg
     # dw13_e = dz^T x_g
-    _launch_gemm(kern, "dw13", E * -(-H2 // BM) * -(-d // BN), stream, A=dz, lda=H2, B=x, ldb=d, b_estride=0,
+    _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
+                 b_estride=0,
                  disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d, o_estride=H2 * d)
     if db13 is not None:
         kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(

@@ -36,6 +36,9 @@
 // Gated first GEMM (EPI_ACT with SWIGLU/GEGLU): B rows [0, BN/2) are gate rows n0 + [0, BN/2) and
 // rows [BN/2, BN) the matching up rows N + n0 + [0, BN/2), so accumulator column c pairs with column
 // c + BN/2, which the same thread holds BN/4 registers later (see wg_for_each_gated_pair).
+//
+// The file also holds moe_wgrad_sm90, the K-grouped weight-gradient GEMM (moe_gemm's MODE_K with
+// EPI_WGRAD) on the same pipeline, with both operands stored MN-major; see its section at the end.
 #pragma once
 #include "moe_common.cuh"
 
@@ -142,7 +145,8 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned smem_addr, unsi
 }
 
 // ---- wgmma.mma_async m64nNk16, fp32 accumulators, A and B from shared memory ----------------------------
-// d[N/2] = A(64 x 16) * B(16 x N) + (scale_d ? d : 0). TRANS_B = 1: B stored N-major.
+// d[N/2] = A(64 x 16) * B(16 x N) + (scale_d ? d : 0). TRANS_B = 1: B stored N-major; TRANS_A = 1: A stored
+// M-major (the weight-gradient kernel, whose reduction dim is the row index of both operands).
 template <int N, typename T> struct Wgmma;
 
 #define BLZ_WG_DSTR_128 \
@@ -186,23 +190,24 @@ template <int N, typename T> struct Wgmma;
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 // One specialization per (N, element type); REGS = N / 2 accumulator operands come first, then the two
-// descriptors (%REGS, %REGS+1), scale_d (%REGS+2) and the transpose-B immediate (%REGS+3).
-#define BLZ_WGMMA_SPEC(N, CT, PT, IDA, IDB, ISD, ITB)                                                       \
+// descriptors (%REGS, %REGS+1), scale_d (%REGS+2), the transpose-B (%REGS+3) and transpose-A (%REGS+4)
+// immediates.
+#define BLZ_WGMMA_SPEC(N, CT, PT, IDA, IDB, ISD, ITB, ITA)                                                  \
   template <> struct Wgmma<N, CT> {                                                                         \
-    template <int TRANS_B>                                                                                  \
+    template <int TRANS_B, int TRANS_A = 0>                                                                 \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], unsigned long long da, unsigned long long db, \
                                                int scale_d) {                                               \
       asm volatile("{\n.reg .pred sd;\nsetp.ne.b32 sd, %" ISD ", 0;\n"                                      \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" BLZ_WG_DSTR_##N "}, %" IDA \
-                   ", %" IDB ", sd, 1, 1, 0, %" ITB ";\n}\n"                                                \
+                   ", %" IDB ", sd, 1, 1, %" ITA ", %" ITB ";\n}\n"                                         \
                    : BLZ_WG_DOPS_##N                                                                        \
-                   : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));                                         \
+                   : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));                            \
     }                                                                                                       \
   };
-BLZ_WGMMA_SPEC(128, __nv_bfloat16, "bf16", "64", "65", "66", "67")
-BLZ_WGMMA_SPEC(128, __half, "f16", "64", "65", "66", "67")
-BLZ_WGMMA_SPEC(256, __nv_bfloat16, "bf16", "128", "129", "130", "131")
-BLZ_WGMMA_SPEC(256, __half, "f16", "128", "129", "130", "131")
+BLZ_WGMMA_SPEC(128, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68")
+BLZ_WGMMA_SPEC(128, __half, "f16", "64", "65", "66", "67", "68")
+BLZ_WGMMA_SPEC(256, __nv_bfloat16, "bf16", "128", "129", "130", "131", "132")
+BLZ_WGMMA_SPEC(256, __half, "f16", "128", "129", "130", "131", "132")
 #undef BLZ_WGMMA_SPEC
 #undef BLZ_WG_DSTR_128
 #undef BLZ_WG_DOPS_128
@@ -547,6 +552,279 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         v += __shfl_xor_sync(0xffffffffu, v, 2);
         const int s = srow0 + sm90::acc_row(2 * h, t);
         if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
+      }
+    }
+  }
+#else
+  // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
+  __trap();
+#endif
+}
+
+
+// ---- K-grouped weight gradient (MODE_K, EPI_WGRAD) -------------------------------------------------------
+//
+//   W_e[m, n] = sum over slots s in [offsets[e], offsets[e+1]), in slot order, of A[rowA(s), m] * B[rowB(s), n]
+//   rowA(s) = slot_token[s] (A_GATHER) or s; rowB(s) likewise (B_GATHER); W is (E, M, N) row-major (o_estride).
+//
+// CTA = (expert e, 128-row m-tile, BN-column n-tile), 1-D grid, expert-major:
+//   bid = (e * tiles_m + tm) * tiles_n + tn,  tiles_m = ceil(M / 128), tiles_n = ceil(N / BN).
+// One CTA reduces all of the expert's slots in order (no split-K, no atomics: deterministic); an expert with
+// no slots writes zeros. Same warpgroup roles, stage ring, barriers and register split as moe_gemm_sm90.
+// The reduction dim is the row index of both operands, so both tiles are stored MN-major:
+//   A stage: 2 atoms [64 slots][64 m] (8 KB each); atom a = columns m0 + [64 a, 64 a + 64) = the rows of
+//            consumer warpgroup a; k-row r at r * 128, 16-byte chunk j (columns 8j..8j+7) at j ^ (r % 8).
+//   B stage: BN / 64 atoms [64 slots][64 n], the same as moe_gemm_sm90's N-major B.
+//   Descriptors: LBO = 8192 (next 64-column atom; never used for A, whose 64 rows are one atom), SBO = 1024
+//   (next 8 slots), k16 step = 2048 bytes; wgmma runs with transpose-A = transpose-B = 1.
+// Producer: warp w copies k-rows [16 w, 16 w + 16) of each k-tile. Lanes 0..15 (and their twins 16..31)
+// hold the gather index slot_token[s] of row 16 w + (lane % 16), loaded one k-tile ahead; the gathered
+// operand's row index reaches the copying lane by __shfl_sync. A row is 128 columns = 16 chunks (2 rows
+// per warp instruction), a B row BN / 8 chunks (BN = 256: 1 row, 512 contiguous bytes per instruction).
+// Slots past the expert's end and columns >= M / N are zero-filled (src-size 0).
+// Epilogue: after a consumer-only named barrier (every wgmma of both warpgroups has finished reading the
+// ring), each consumer warp converts its 16 rows x BN columns to T into a private staging area in the
+// ring (row pitch BN * 2 + 16 bytes: the fragment writes are bank-conflict free), then stores whole
+// 16-byte chunks row by row (coalesced); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
+// Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
+// Parameter list = moe_gemm's; used: A, lda, B, ldb, slot_token, offsets, num_experts, M, N, out, ldo,
+// o_estride. Kd, b_estride, tile_offsets and the epilogue extras are ignored.
+// Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
+// dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
+namespace sm90 {
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+// Named barrier 1 over the two consumer warpgroups (the producer warpgroup does not take part).
+__device__ __forceinline__ void consumer_bar_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(128 * CONSUMER_WGS) : "memory");
+}
+}  // namespace sm90
+
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
+    const T* __restrict__ A, long long lda,
+    const T* __restrict__ B, long long ldb, long long b_estride,
+    const int* __restrict__ slot_token,
+    const int* __restrict__ slot_k,
+    const int* __restrict__ offsets,
+    const int* __restrict__ tile_offsets,
+    int num_experts, int M, int N, int Kd,
+    T* __restrict__ out, long long ldo, long long o_estride,
+    T* __restrict__ out2, long long ldo2,
+    const T* __restrict__ aux, long long ldaux,
+    const T* __restrict__ bias, long long bias_estride,
+    const float* __restrict__ gates, int topk,
+    float* __restrict__ part, int part_ld,
+    int flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
+  using C = sm90::Cfg<BN>;
+  constexpr int STAGES = C::STAGES;
+  constexpr int EPC = 8;                         // elements per 16-byte chunk
+  constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
+  static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");
+  extern __shared__ unsigned char sm90_smem[];
+  const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+
+  // ---- which tile (as moe_gemm MODE_K) -----------------------------------------------------------------
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const long long per_e = (long long)tiles_m * tiles_n;
+  const long long bid = blockIdx.x;
+  const int e = static_cast<int>(bid / per_e);
+  if (e >= num_experts) return;
+  const int rt = static_cast<int>(bid % per_e);
+  const int m0 = (rt / tiles_n) * BM, n0 = (rt % tiles_n) * BN;
+  const int slot_lo = __ldg(offsets + e);
+  const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
+  const int num_kt = (cnt + BK - 1) / BK;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 128);                       // one arrival per producer thread
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================================ producer warpgroup ================================
+    sm90::setmaxnreg_dec<sm90::PRODUCER_REGS>();
+    constexpr int CPA = BM / EPC, RPA = 32 / CPA;  // A: 16 chunks per k-row, 2 k-rows per warp instruction
+    constexpr int CPB = BN / EPC, RPB = 32 / CPB;  // B: 32 (16) chunks per k-row, 1 (2) k-rows per instruction
+    constexpr int ROWS_W = BK / 4;                 // k-rows per producer warp
+    static_assert(ROWS_W == 16 && 32 % CPA == 0 && 32 % CPB == 0, "producer warp map");
+    const int lane = tid & 31, rw = (tid >> 5) * ROWS_W;
+    const int ca = lane % CPA, ra = lane / CPA, cb = lane % CPB, rb = lane / CPB;
+    const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
+    const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
+    const T* Bc = B + n0 + cb * EPC;
+    // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
+    const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
+    const unsigned b_dst = static_cast<unsigned>((cb >> 3) * ATOM_BYTES + ((cb & 7) << 4));
+    // gather index of k-row rw + lane % 16 of k-tile kt (-1 past the expert's slots)
+    auto gather_row = [&](int kt) -> int {
+      const int s = kt * BK + rw + (lane & 15);
+      return s < cnt ? __ldg(slot_token + slot_lo + s) : -1;
+    };
+    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(0) : -1;
+
+    int stage = 0;
+    unsigned phase = 0;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      const int tok = tok_next;
+      if constexpr (A_GATHER || B_GATHER) {
+        if (kt + 1 < num_kt) tok_next = gather_row(kt + 1);  // prefetch one k-tile ahead
+      }
+      if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+      const int k0 = kt * BK;
+#pragma unroll
+      for (int i = 0; i < ROWS_W / RPA; ++i) {
+        const int rl = RPA * i + ra;  // k-row within the warp's 16
+        const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
+        int row;
+        if constexpr (A_GATHER) {
+          row = __shfl_sync(0xffffffffu, tok, rl);
+        } else {
+          row = (k0 + r < cnt) ? slot_lo + k0 + r : -1;
+        }
+        const bool ok = a_cok && row >= 0;
+        sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                           ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS_W / RPB; ++i) {
+        const int rl = RPB * i + rb;
+        const int r = rw + rl;
+        int row;
+        if constexpr (B_GATHER) {
+          row = __shfl_sync(0xffffffffu, tok, rl);
+        } else {
+          row = (k0 + r < cnt) ? slot_lo + k0 + r : -1;
+        }
+        const bool ok = b_cok && row >= 0;
+        sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                           ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
+      }
+#if BLZ_SM90_PRODUCER_FENCE
+      constexpr int LAG = STAGES - 2;
+      cp_async_commit();
+      if (kt >= LAG) {
+        cp_async_wait<LAG>();
+        sm90::fence_proxy_async_smem();
+        sm90::mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
+      }
+#else
+      sm90::cp_async_arrive_noinc(full0 + 8 * stage);
+#endif
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+#if BLZ_SM90_PRODUCER_FENCE
+    cp_async_wait<0>();
+    sm90::fence_proxy_async_smem();
+    for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
+      sm90::mbar_arrive(full0 + 8 * (kt % STAGES));
+#else
+    sm90::cp_async_wait_all();
+#endif
+  } else {
+    // ================================ consumer warpgroups ================================
+    sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
+    const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
+    const int t = tid & 127;
+    float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
+
+    const unsigned long long da0 = sm90::make_desc(sbase + cw * ATOM_BYTES, ATOM_BYTES, 1024);
+    const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
+    constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
+
+    int stage = 0, prev = 0;
+    unsigned phase = 0;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      sm90::mbar_wait(full0 + 8 * stage, phase);
+#if !BLZ_SM90_PRODUCER_FENCE
+      sm90::fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
+#endif
+      sm90::fence_regs(acc);
+      sm90::wgmma_fence();
+      const unsigned long long soff = static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks)
+        sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
+                                               (kt | ks) != 0);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
+      sm90::fence_regs(acc);
+      if (kt > 0 && (t & 31) == 0) sm90::mbar_arrive(empty0 + 8 * prev);
+      prev = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_regs(acc);
+    if (num_kt == 0) {  // expert without slots: its gradient is zero
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    }
+
+    // ---- epilogue: stage each warp's 16 x BN rows as T, then 16-byte row-wise stores ------------------
+    constexpr int PITCH = BN * 2 + 16;  // bytes per staged row; 16-byte pad: conflict-free fragment writes
+    constexpr int CPO = BN / EPC, RPO = 32 / CPO;  // output chunks per row, rows per warp instruction
+    static_assert(8 * 16 * PITCH <= STAGES * C::STAGE_BYTES, "staging fits in the stage ring");
+    const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup owns rows [16 wq, 16 wq + 16)
+    const unsigned stg = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * PITCH);
+    sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+    sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
+      sm90::st_shared_u32(stg + (r - 16 * wq) * PITCH + c * 2, sm90::pack2<T>(v0, v1));
+    });
+    __syncwarp();
+    T* oe = out + (long long)e * o_estride;
+    const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
+                       (o_estride & 7) == 0;  // every 8-element chunk of W starts 16-byte aligned
+    const int co = lane % CPO, ro = lane / CPO;
+    const int n = n0 + co * EPC;
+    const int mrow0 = m0 + cw * 64 + wq * 16;
+#pragma unroll
+    for (int i = 0; i < 16 / RPO; ++i) {
+      const int rr = RPO * i + ro;
+      const uint4 v = sm90::ld_shared_v4(stg + rr * PITCH + co * 16);
+      const int m = mrow0 + rr;
+      if (m < M && n < N) {
+        T* dst = oe + (long long)m * ldo + n;
+        if (vec16) {
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else {
+          unsigned* d4 = reinterpret_cast<unsigned*>(dst);
+          d4[0] = v.x; d4[1] = v.y; d4[2] = v.z; d4[3] = v.w;
+        }
       }
     }
   }
