@@ -118,8 +118,7 @@ class _Kernels:
     def gemm(self, which):
         """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant."""
         v = self.variants[which]
-        # the K-grouped wgmma kernels are opt-in (BLAZECORE_SM90_WGRAD=1) until verified on hardware
-        if self.sm90 and (v[0] == MODE_M or os.environ.get("BLAZECORE_SM90_WGRAD", "0") == "1"):
+        if self.sm90:
             names = _module_names90(self.ct, self.act)
             fn = _compile.get_function(_FILE90, _name90(self.ct, v), module_names=names, max_dynamic_smem=_smem90())
             return fn, _smem90(), NTHREADS90, BN90
