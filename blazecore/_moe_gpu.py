@@ -208,8 +208,13 @@ def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream)
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
-def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
-    """Fill dx (L, d), dw13 (E, H2, d), dw2 (E, d, h), dgates (L, K) and the bias grads from dy (L, d)."""
+def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):
+    """Fill dx (L, d), dw13 (E, H2, d), dw2 (E, d, h), dgates (L, K) and the bias grads from dy (L, d).
+
+    dz is written over z (each element is read by the thread that then overwrites it): always when z is
+    recomputed (checkpoint "none"), and over the saved pre-activations when ``reuse_saved`` (which leaves
+    ``saved.ab`` holding dz afterwards). That saves one (L*K, H2) buffer at the backward's peak.
+    """
     stream = _array.current_stream(stream)
     x, w13, w2, gates, disp = saved.x, saved.w13, saved.w2, saved.gates, saved.dispatch
     activation = saved.activation
@@ -231,13 +236,15 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream):
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
-    if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations
+    in_place = reuse_saved
+    if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations into a transient
         z = _array.empty_gpu((LK, H2), dt).view
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, activation, None, z, stream)
+        in_place = True
 
     # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur
     tiles_nh = kern.tiles_n("dhcur", h)
-    dz = _array.empty_gpu((LK, H2), dt).view
+    dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
     hg = _array.empty_gpu((LK, h), dt).view
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
     _launch_gemm(kern, "dhcur", _m_grid(LK, E, tiles_nh), stream, A=dy, lda=d, B=w2, ldb=h, b_estride=d * h,

@@ -95,6 +95,7 @@ class MoESaved:
     b2: Any = None
     ab: Any = None
     extra: dict = field(default_factory=dict)
+    consumed: bool = False  # a backward without retain=True used ``ab`` as scratch
 
     def held_bytes(self) -> int:
         """Bytes this record keeps alive beyond the layer's inputs: the dispatch, ``ab`` and ``extra``.
@@ -316,7 +317,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
 
 
 def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=None, out_dgates=None,
-                 stream=None) -> MoEGrads:
+                 stream=None, retain: bool = False) -> MoEGrads:
     """Backward of :func:`moe_forward`: gradients of sum(dy * y) w.r.t. x, the weights, gates, biases.
 
     Args:
@@ -327,6 +328,10 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
         out_dw2: optional (E, d, h) buffer, the weights' dtype.
         out_dgates: optional (L, K) float32 buffer.
         stream: as in :func:`moe_forward`.
+        retain: keep ``saved`` usable for another backward. By default (False) the GPU backward of
+            policy "ab" writes the activation gradient over the saved pre-activations (one (L*K, R)
+            buffer less at the peak, like a framework freeing saved tensors after the backward) and
+            marks ``saved.consumed``; a second backward on it then raises RuntimeError.
 
     Returns:
         :class:`MoEGrads` (dx, dw13, dw2, dgates, db13, db2). dgates[t, k] = dy[t] . o[t, k], with
@@ -336,10 +341,14 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
     Raises:
         TypeError: ``saved`` not a MoESaved, dy or an out buffer of the wrong dtype.
         ValueError: dy or an out buffer of the wrong shape, device or layout.
+        RuntimeError: ``saved`` was consumed by an earlier backward without ``retain=True``.
     """
+    if isinstance(saved, MoESaved) and saved.consumed:
+        raise RuntimeError("this MoESaved was consumed by an earlier moe_backward (its saved pre-activations "
+                           "were overwritten); pass retain=True to the first backward to run another")
     dy, gpu = _intake_backward(dy, saved)
     if gpu:
-        return _backward_gpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates, stream)
+        return _backward_gpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
     return _backward_cpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates)
@@ -434,7 +443,7 @@ def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkp
     return y.user, saved
 
 
-def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream) -> MoEGrads:
+def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
     import cupy
 
     dev = saved.x.device.id
@@ -451,8 +460,11 @@ def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, st
             else:
                 from . import _moe_gpu
 
+                reuse = not retain and saved.ab is not None
                 _moe_gpu.backward(dy, saved, dx.view, dw13.view, dw2.view, dgates.view,
-                                  None if db13 is None else db13.view, None if db2 is None else db2.view, s)
+                                  None if db13 is None else db13.view, None if db2 is None else db2.view, s,
+                                  reuse_saved=reuse)
+                saved.consumed = reuse
     return MoEGrads(*(_user(o) for o in outs))
 
 

@@ -372,7 +372,9 @@ def test_saved_preactivations(backend, case, dname):
     """Policy "ab" keeps z of every slot, (L*K, R) in x's dtype, columns [a | b], in the dispatch's slot order."""
     activation = "swiglu"
     inp = _inputs(case, dname, activation, True)
-    _, saved, _ = _run(_on(inp, backend), activation, "ab")
+    dev = _on(inp, backend)
+    _, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], activation=activation,
+                               checkpoint="ab", b13=dev["b13"], b2=dev["b2"])
     assert saved.checkpoint == "ab" and saved.activation == activation
     if saved.ab is None:  # the GPU path may keep them in saved.extra instead
         assert backend == "gpu"
@@ -386,6 +388,31 @@ def test_saved_preactivations(backend, case, dname):
     # slot order: by expert, then token, then k
     experts = np.repeat(np.arange(case.E), np.diff(to_numpy(saved.dispatch.expert_offsets)))
     assert np.array_equal(inp["ids"][slot_token, slot_k], experts)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_backward_consumes_saved_unless_retained(backend):
+    """A default backward may reuse the saved pre-activations as scratch (GPU, policy "ab"): a second backward
+    on the same record raises; with retain=True two backwards give the same bytes."""
+    case = next(c for c in CASES if c.name == "odd")
+    inp = _inputs(case, "bf16", "swiglu", True)
+    dev = _on(inp, backend)
+
+    y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], checkpoint="ab",
+                               b13=dev["b13"], b2=dev["b2"])
+    g1 = moe.moe_backward(dev["dy"], saved, retain=True)
+    assert not saved.consumed
+    g2 = moe.moe_backward(dev["dy"], saved, retain=True)
+    g3 = moe.moe_backward(dev["dy"], saved)  # may consume
+    for key in GRAD_KEYS:
+        assert _bytes(getattr(g1, key)) == _bytes(getattr(g2, key)) == _bytes(getattr(g3, key)), key
+    _check_against(y, g3, inp, _expected(case, "bf16", "swiglu", True), TOL[DTYPES["bf16"]])
+    if backend == "gpu":
+        assert saved.consumed
+        with pytest.raises(RuntimeError, match="consumed"):
+            moe.moe_backward(dev["dy"], saved)
+    else:
+        assert not saved.consumed  # the CPU reference never writes into the record
 
 
 @pytest.mark.parametrize("dname", DTYPE_PARAMS)

@@ -58,9 +58,9 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     const int* __restrict__ offsets,                  // (E+1) expert_offsets
     const int* __restrict__ tile_offsets,             // (E+1) cumulative m-tiles per expert (MODE_M)
     int num_experts, int M, int N, int Kd,            // MODE_M: M = L*K, N = output cols, Kd = reduction
-    T* __restrict__ out, long long ldo, long long o_estride,
+    T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z)
     T* __restrict__ out2, long long ldo2,
-    const T* __restrict__ aux, long long ldaux,       // z (pre-activations) read by EPI_DHCUR
+    const T* aux, long long ldaux,                    // z (pre-activations) read by EPI_DHCUR
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,        // (L, K) gates, gate(s) = gates[slot_token[s]*K + slot_k[s]]
     float* __restrict__ part, int part_ld,            // (L*K, tiles_n) dgates partial sums
@@ -284,7 +284,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
       }
   } else if constexpr (EPI == EPI_ACT) {
     const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-    const bool store_h = flags & 1, store_z = flags & 2;
+    T* hout = (flags & 1) ? out : nullptr;
+    T* zout = (flags & 2) ? out2 : nullptr;
 #pragma unroll
     for (int i = 0; i < MF; ++i)
 #pragma unroll
@@ -295,34 +296,15 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 #pragma unroll
           for (int f = 0; f < NF / 2; ++f) {
             const int n = tn * (BN / 2) + wn * (WN / 2) + f * 8 + 2 * q;
-            if (n >= N) continue;
-            float a0 = acc[i][f][2 * h], a1 = acc[i][f][2 * h + 1];
-            float b0 = acc[i][f + NF / 2][2 * h], b1 = acc[i][f + NF / 2][2 * h + 1];
-            if (be) {
-              float x0, x1, y0, y1;
-              load2<T>(be + n, x0, x1);
-              load2<T>(be + N + n, y0, y1);
-              a0 += x0; a1 += x1; b0 += y0; b1 += y1;
-            }
-            if (store_z) {
-              store2<T>(out2 + (long long)s * ldo2 + n, a0, a1);
-              store2<T>(out2 + (long long)s * ldo2 + N + n, b0, b1);
-            }
-            if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+            if (n < N)
+              epi_act_gated<T, ACT>(be, N, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1],
+                                    acc[i][f + NF / 2][2 * h], acc[i][f + NF / 2][2 * h + 1]);
           }
         } else {
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             const int n = tn * BN + wn * WN + f * 8 + 2 * q;
-            if (n >= N) continue;
-            float z0 = acc[i][f][2 * h], z1 = acc[i][f][2 * h + 1];
-            if (be) {
-              float x0, x1;
-              load2<T>(be + n, x0, x1);
-              z0 += x0; z1 += x1;
-            }
-            if (store_z) store2<T>(out2 + (long long)s * ldo2 + n, z0, z1);
-            if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(z0), act_f<ACT>(z1));
+            if (n < N) epi_act_plain<T, ACT>(be, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1]);
           }
         }
       }
@@ -334,22 +316,14 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
       for (int h = 0; h < 2; ++h) {
         const int s = m0 + wm * WM + i * 16 + g + 8 * h;
         if (s >= m_end) continue;
-        const float gs = gates ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 1.f;
+        const float gs = gates ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
 #pragma unroll
         for (int f = 0; f < NF; ++f) {
           const int n = tn * BN + wn * WN + f * 8 + 2 * q;
-          if (n >= N) continue;
-          float o0 = acc[i][f][2 * h], o1 = acc[i][f][2 * h + 1];
-          if (be) {
-            float x0, x1;
-            load2<T>(be + n, x0, x1);
-            o0 += x0; o1 += x1;
-          }
-          store2<T>(out + (long long)s * ldo + n, o0 * gs, o1 * gs);
+          if (n < N) epi_rowscale<T>(be, out, ldo, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1], gs);
         }
       }
-  } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h)
-    constexpr bool G2 = act_gated(ACT);
+  } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h); out = dz (may alias aux = z), out2 = g * hcur
 #pragma unroll
     for (int i = 0; i < MF; ++i)
 #pragma unroll
@@ -358,31 +332,13 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
         const int s = m0 + rl;
         float psum = 0.f;
         if (s < m_end) {
-          const float gs = __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s));
-          const T* zr = aux + (long long)s * ldaux;
+          const float gs = slot_gate(gates, slot_token, slot_k, topk, s);
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             const int n = tn * BN + wn * WN + f * 8 + 2 * q;
-            if (n >= N) continue;
-            const float d0 = acc[i][f][2 * h], d1 = acc[i][f][2 * h + 1];
-            float a0, a1;
-            load2<T>(zr + n, a0, a1);
-            if constexpr (G2) {
-              float b0, b1;
-              load2<T>(zr + N + n, b0, b1);
-              const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
-              const float h0 = s0 * b0, h1 = s1 * b1;
-              psum += d0 * h0 + d1 * h1;
-              const float dh0 = gs * d0, dh1 = gs * d1;
-              store2<T>(out + (long long)s * ldo + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
-              store2<T>(out + (long long)s * ldo + N + n, dh0 * s0, dh1 * s1);
-              store2<T>(out2 + (long long)s * ldo2 + n, gs * h0, gs * h1);
-            } else {
-              const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
-              psum += d0 * h0 + d1 * h1;
-              store2<T>(out + (long long)s * ldo + n, gs * d0 * act_grad<ACT>(a0), gs * d1 * act_grad<ACT>(a1));
-              store2<T>(out2 + (long long)s * ldo2 + n, gs * h0, gs * h1);
-            }
+            if (n < N)
+              psum += epi_dhcur<T, ACT>(aux, ldaux, N, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
+                                        acc[i][f][2 * h + 1], gs);
           }
         }
         // the 4 lanes of a quad share a row: fixed-order butterfly, then a fixed-order sum over warps_n

@@ -115,4 +115,84 @@ template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- epilogue math shared by the mma.sync and wgmma GEMMs ------------------------------------------
+// Each call handles one accumulator pair: row (slot) s, adjacent output columns n, n+1.
+
+// gate of slot s: gates[(slot_token[s], slot_k[s])]
+__device__ __forceinline__ float slot_gate(const float* gates, const int* slot_token, const int* slot_k, int topk,
+                                           int s) {
+  return __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s));
+}
+
+// z = acc + b13; gated: a = gate columns, b = up columns (column n + N); hcur = act(a) * b.
+// Stores z to zout (row stride ldz) when zout != nullptr, hcur to hout when hout != nullptr.
+template <typename T, int ACT>
+__device__ __forceinline__ void epi_act_gated(const T* bias_e, int N, T* hout, long long ldh, T* zout, long long ldz,
+                                              int s, int n, float a0, float a1, float b0, float b1) {
+  if (bias_e) {
+    float x0, x1, y0, y1;
+    load2<T>(bias_e + n, x0, x1);
+    load2<T>(bias_e + N + n, y0, y1);
+    a0 += x0; a1 += x1; b0 += y0; b1 += y1;
+  }
+  if (zout) {
+    store2<T>(zout + (long long)s * ldz + n, a0, a1);
+    store2<T>(zout + (long long)s * ldz + N + n, b0, b1);
+  }
+  if (hout) store2<T>(hout + (long long)s * ldh + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+}
+
+template <typename T, int ACT>
+__device__ __forceinline__ void epi_act_plain(const T* bias_e, T* hout, long long ldh, T* zout, long long ldz, int s,
+                                              int n, float z0, float z1) {
+  if (bias_e) {
+    float x0, x1;
+    load2<T>(bias_e + n, x0, x1);
+    z0 += x0; z1 += x1;
+  }
+  if (zout) store2<T>(zout + (long long)s * ldz + n, z0, z1);
+  if (hout) store2<T>(hout + (long long)s * ldh + n, act_f<ACT>(z0), act_f<ACT>(z1));
+}
+
+// out = (acc + bias) * gs
+template <typename T>
+__device__ __forceinline__ void epi_rowscale(const T* bias_e, T* out, long long ldo, int s, int n, float o0, float o1,
+                                             float gs) {
+  if (bias_e) {
+    float x0, x1;
+    load2<T>(bias_e + n, x0, x1);
+    o0 += x0; o1 += x1;
+  }
+  store2<T>(out + (long long)s * ldo + n, o0 * gs, o1 * gs);
+}
+
+// acc = dh' = dy_t w2_e at columns n, n+1 of h. Recompute hcur from z (row of zr, gate columns then up
+// columns at N + n), write dz = d(act)/dz * g * dh' to dz (may be the same memory as z: every element is read
+// before this thread writes it, and no other thread touches it) and g * hcur to hg; return the dgates
+// contribution sum(dh' * hcur) of the pair.
+template <typename T, int ACT>
+__device__ __forceinline__ float epi_dhcur(const T* z, long long ldz, int N, T* dz, long long lddz, T* hg,
+                                           long long ldhg, int s, int n, float d0, float d1, float gs) {
+  const T* zr = z + (long long)s * ldz;
+  T* dzr = dz + (long long)s * lddz;
+  float a0, a1;
+  load2<T>(zr + n, a0, a1);
+  if constexpr (act_gated(ACT)) {
+    float b0, b1;
+    load2<T>(zr + N + n, b0, b1);
+    const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
+    const float h0 = s0 * b0, h1 = s1 * b1;
+    const float dh0 = gs * d0, dh1 = gs * d1;
+    store2<T>(dzr + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
+    store2<T>(dzr + N + n, dh0 * s0, dh1 * s1);
+    store2<T>(hg + (long long)s * ldhg + n, gs * h0, gs * h1);
+    return d0 * h0 + d1 * h1;
+  } else {
+    const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
+    store2<T>(dzr + n, gs * d0 * act_grad<ACT>(a0), gs * d1 * act_grad<ACT>(a1));
+    store2<T>(hg + (long long)s * ldhg + n, gs * h0, gs * h1);
+    return d0 * h0 + d1 * h1;
+  }
+}
+
 }  // namespace blz

@@ -267,9 +267,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const int* __restrict__ offsets,
     const int* __restrict__ tile_offsets,
     int num_experts, int M, int N, int Kd,
-    T* __restrict__ out, long long ldo, long long o_estride,
+    T* out, long long ldo, long long o_estride,  // out and aux may alias (EPI_DHCUR writes dz over z)
     T* __restrict__ out2, long long ldo2,
-    const T* __restrict__ aux, long long ldaux,
+    const T* aux, long long ldaux,
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,
     float* __restrict__ part, int part_ld,
@@ -465,34 +465,17 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const int srow0 = m0 + cw * 64;  // slot of warpgroup row 0
     if constexpr (EPI == EPI_ACT) {
       const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-      const bool store_h = flags & 1, store_z = flags & 2;
+      T* hout = (flags & 1) ? out : nullptr;
+      T* zout = (flags & 2) ? out2 : nullptr;
       if constexpr (GATED) {
         sm90::wg_for_each_gated_pair<BN>(acc, t, [&](int, int r, int c, float a0, float a1, float b0, float b1) {
           const int s = srow0 + r, n = n0 + c;
-          if (s >= m_end || n >= N) return;
-          if (be) {
-            float x0, x1, y0, y1;
-            load2<T>(be + n, x0, x1);
-            load2<T>(be + N + n, y0, y1);
-            a0 += x0; a1 += x1; b0 += y0; b1 += y1;
-          }
-          if (store_z) {
-            store2<T>(out2 + (long long)s * ldo2 + n, a0, a1);
-            store2<T>(out2 + (long long)s * ldo2 + N + n, b0, b1);
-          }
-          if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+          if (s < m_end && n < N) epi_act_gated<T, ACT>(be, N, hout, ldo, zout, ldo2, s, n, a0, a1, b0, b1);
         });
       } else {
         sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float z0, float z1) {
           const int s = srow0 + r, n = n0 + c;
-          if (s >= m_end || n >= N) return;
-          if (be) {
-            float x0, x1;
-            load2<T>(be + n, x0, x1);
-            z0 += x0; z1 += x1;
-          }
-          if (store_z) store2<T>(out2 + (long long)s * ldo2 + n, z0, z1);
-          if (store_h) store2<T>(out + (long long)s * ldo + n, act_f<ACT>(z0), act_f<ACT>(z1));
+          if (s < m_end && n < N) epi_act_plain<T, ACT>(be, hout, ldo, zout, ldo2, s, n, z0, z1);
         });
       }
     } else if constexpr (EPI == EPI_ROWSCALE) {
@@ -501,48 +484,22 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int s = srow0 + sm90::acc_row(2 * h, t);
-        gs[h] = (gates && s < m_end) ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 1.f;
+        gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
       }
       sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float o0, float o1) {
         const int s = srow0 + r, n = n0 + c;
-        if (s >= m_end || n >= N) return;
-        if (be) {
-          float x0, x1;
-          load2<T>(be + n, x0, x1);
-          o0 += x0; o1 += x1;
-        }
-        store2<T>(out + (long long)s * ldo + n, o0 * gs[h], o1 * gs[h]);
+        if (s < m_end && n < N) epi_rowscale<T>(be, out, ldo, s, n, o0, o1, gs[h]);
       });
-    } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h)
-      constexpr bool G2 = act_gated(ACT);
+    } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
       float gs[2], psum[2] = {0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int s = srow0 + sm90::acc_row(2 * h, t);
-        gs[h] = (s < m_end) ? __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s)) : 0.f;
+        gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
       }
       sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float d0, float d1) {
         const int s = srow0 + r, n = n0 + c;
-        if (s >= m_end || n >= N) return;
-        const T* zr = aux + (long long)s * ldaux;
-        float a0, a1;
-        load2<T>(zr + n, a0, a1);
-        if constexpr (G2) {
-          float b0, b1;
-          load2<T>(zr + N + n, b0, b1);
-          const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
-          const float h0 = s0 * b0, h1 = s1 * b1;
-          psum[h] += d0 * h0 + d1 * h1;
-          const float dh0 = gs[h] * d0, dh1 = gs[h] * d1;
-          store2<T>(out + (long long)s * ldo + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
-          store2<T>(out + (long long)s * ldo + N + n, dh0 * s0, dh1 * s1);
-          store2<T>(out2 + (long long)s * ldo2 + n, gs[h] * h0, gs[h] * h1);
-        } else {
-          const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
-          psum[h] += d0 * h0 + d1 * h1;
-          store2<T>(out + (long long)s * ldo + n, gs[h] * d0 * act_grad<ACT>(a0), gs[h] * d1 * act_grad<ACT>(a1));
-          store2<T>(out2 + (long long)s * ldo2 + n, gs[h] * h0, gs[h] * h1);
-        }
+        if (s < m_end && n < N) psum[h] += epi_dhcur<T, ACT>(aux, ldaux, N, out, ldo, out2, ldo2, s, n, d0, d1, gs[h]);
       });
       // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
 #pragma unroll
