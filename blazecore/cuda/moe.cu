@@ -14,14 +14,6 @@
 
 namespace blz {
 
-enum Mode : int { MODE_M = 0, MODE_K = 1 };
-enum Epi : int {
-  EPI_ACT = 0,       // z = acc + b13; store act(z) (hcur) and/or z itself (checkpoint "ab" / recompute)
-  EPI_ROWSCALE = 1,  // out = (acc + bias) * gate(slot)   (forward w2 GEMM; dx GEMM without scale)
-  EPI_DHCUR = 2,     // dh' = acc; recompute hcur from z; dgates partials; dz = act backward; hg = g * hcur
-  EPI_WGRAD = 3,     // per-expert weight gradient tile store
-};
-
 constexpr int NTHREADS = 256;  // 8 warps: 2 (m) x 4 (n), warp tile 64 x 32
 constexpr int BM = 128, BN = 128, WARPS_M = 2, WARPS_N = 4;
 constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // 64 x 32
@@ -37,16 +29,6 @@ template <typename T> struct Tile {
 template <typename T, bool KMAJOR, int ROWS> __host__ __device__ constexpr int tile_elems() {
   // KMAJOR: [ROWS][BK + PAD]; otherwise [BK][ROWS + PAD]
   return KMAJOR ? ROWS * (Tile<T>::BK + Tile<T>::PAD) : Tile<T>::BK * (ROWS + Tile<T>::PAD);
-}
-
-// Find the expert owning global m-tile `tm`: the largest e with tile_offsets[e] <= tm.
-__device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (__ldg(offs + mid) <= v) lo = mid; else hi = mid - 1;
-  }
-  return lo;
 }
 
 template <typename T, int MODE, bool A_KMAJOR, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, bool B_GATHER>

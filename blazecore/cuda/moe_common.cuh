@@ -115,6 +115,25 @@ template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- tile bookkeeping shared by the mma.sync and wgmma GEMMs ---------------------------------------
+enum Mode : int { MODE_M = 0, MODE_K = 1 };  // M-grouped (gathered rows per expert) / K-grouped (weight grads)
+enum Epi : int {
+  EPI_ACT = 0,       // z = acc + b13; store act(z) (hcur) and/or z itself (checkpoint "ab" / recompute)
+  EPI_ROWSCALE = 1,  // out = (acc + bias) * gate(slot)   (forward w2 GEMM; dx GEMM without scale)
+  EPI_DHCUR = 2,     // dh' = acc; recompute hcur from z; dgates partials; dz = act backward; hg = g * hcur
+  EPI_WGRAD = 3,     // per-expert weight gradient tile store
+};
+
+// The expert owning global m-tile v: the largest e with offs[e] <= v (experts with no tile repeat a value).
+__device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offs + mid) <= v) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // ---- epilogue math shared by the mma.sync and wgmma GEMMs ------------------------------------------
 // Each call handles one accumulator pair: row (slot) s, adjacent output columns n, n+1.
 

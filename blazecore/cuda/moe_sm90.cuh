@@ -44,24 +44,6 @@
 
 namespace blz {
 
-// Tile bookkeeping shared with moe.cu, which defines the same names without this guard. Until they move
-// into moe_common.cuh under this guard, a translation unit that also holds moe.cu's definitions must
-// #define BLZ_MOE_TILE_COMMON before including this header.
-#ifndef BLZ_MOE_TILE_COMMON
-#define BLZ_MOE_TILE_COMMON
-enum Mode : int { MODE_M = 0, MODE_K = 1 };
-enum Epi : int { EPI_ACT = 0, EPI_ROWSCALE = 1, EPI_DHCUR = 2, EPI_WGRAD = 3 };
-
-// Find the expert owning global m-tile `v`: the largest e with offs[e] <= v.
-__device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) >> 1;
-    if (__ldg(offs + mid) <= v) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-#endif
 
 #ifndef BLZ_SM90_PRODUCER_FENCE
 #define BLZ_SM90_PRODUCER_FENCE 0
@@ -252,6 +234,36 @@ __device__ __forceinline__ void wg_for_each_gated_pair(const float (&acc)[N / 2]
         acc[acc_reg(j + UP, h) + 1]);
 }
 
+// Producer, after issuing the copies of k-tile kt into `stage`: make them visible to the consumers.
+// Default: the stage's full barrier completes when every producer thread's copies have landed
+// (cp.async.mbarrier.arrive.noinc); the consumers fence into the async proxy after their wait.
+// BLZ_SM90_PRODUCER_FENCE: the producer waits for tile kt - LAG itself, fences, then arrives.
+template <int STAGES> __device__ __forceinline__ void producer_signal(unsigned full0, int kt, int stage) {
+#if BLZ_SM90_PRODUCER_FENCE
+  constexpr int LAG = STAGES - 2;
+  cp_async_commit();
+  if (kt >= LAG) {
+    cp_async_wait<LAG>();
+    fence_proxy_async_smem();
+    mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
+  }
+#else
+  cp_async_arrive_noinc(full0 + 8 * stage);
+#endif
+}
+
+// Producer, after its last k-tile: let every copy land (and signal the tiles still owed).
+template <int STAGES> __device__ __forceinline__ void producer_drain(unsigned full0, int num_kt) {
+#if BLZ_SM90_PRODUCER_FENCE
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
+    mbar_arrive(full0 + 8 * (kt % STAGES));
+#else
+  cp_async_wait_all();
+#endif
+}
+
 }  // namespace sm90
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -391,31 +403,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
                              ok ? src : B, ok ? 16 : 0);
         }
       }
-#if BLZ_SM90_PRODUCER_FENCE
-      // signal k-tile kt - LAG: its copies have landed, fence them into the async proxy, then arrive
-      constexpr int LAG = STAGES - 2;
-      cp_async_commit();
-      if (kt >= LAG) {
-        cp_async_wait<LAG>();
-        sm90::fence_proxy_async_smem();
-        sm90::mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
-      }
-#else
-      sm90::cp_async_arrive_noinc(full0 + 8 * stage);
-#endif
+      sm90::producer_signal<STAGES>(full0, kt, stage);
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1u;
       }
     }
-#if BLZ_SM90_PRODUCER_FENCE
-    cp_async_wait<0>();
-    sm90::fence_proxy_async_smem();
-    for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
-      sm90::mbar_arrive(full0 + 8 * (kt % STAGES));
-#else
-    sm90::cp_async_wait_all();
-#endif
+    sm90::producer_drain<STAGES>(full0, num_kt);
   } else {
     // ================================ consumer warpgroups ================================
     sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
@@ -686,30 +680,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
                            ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
       }
-#if BLZ_SM90_PRODUCER_FENCE
-      constexpr int LAG = STAGES - 2;
-      cp_async_commit();
-      if (kt >= LAG) {
-        cp_async_wait<LAG>();
-        sm90::fence_proxy_async_smem();
-        sm90::mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
-      }
-#else
-      sm90::cp_async_arrive_noinc(full0 + 8 * stage);
-#endif
+      sm90::producer_signal<STAGES>(full0, kt, stage);
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1u;
       }
     }
-#if BLZ_SM90_PRODUCER_FENCE
-    cp_async_wait<0>();
-    sm90::fence_proxy_async_smem();
-    for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
-      sm90::mbar_arrive(full0 + 8 * (kt % STAGES));
-#else
-    sm90::cp_async_wait_all();
-#endif
+    sm90::producer_drain<STAGES>(full0, num_kt);
   } else {
     // ================================ consumer warpgroups ================================
     sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
