@@ -180,15 +180,18 @@ def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, zb
                  bias=b13, bias_estride=H2, flags=flags)
 
 
-def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream):
-    """y = combine_k g * expert(x); returns (z_user or None, extra) where z is the saved pre-activations."""
-    stream = _array.current_stream(stream)
+def _dims(x, w13, w2, gates):
+    """(L, d, E, h, K, L*K, H2, dtype) of one layer call."""
     L, d = x.shape
     E, _, h = w2.shape
     K = gates.shape[1]
-    LK = L * K
-    H2 = w13.shape[1]
-    dt = logical_dtype(x)
+    return L, d, E, h, K, L * K, w13.shape[1], logical_dtype(x)
+
+
+def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream):
+    """y = combine_k g * expert(x); returns (z_user or None, extra) where z is the saved pre-activations."""
+    stream = _array.current_stream(stream)
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
     if L == 0:
         z = _array.empty_gpu((0, H2), dt) if checkpoint == "ab" else None
         return (z.user if z is not None else None), {}
@@ -218,12 +221,7 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved
     stream = _array.current_stream(stream)
     x, w13, w2, gates, disp = saved.x, saved.w13, saved.w2, saved.gates, saved.dispatch
     activation = saved.activation
-    L, d = x.shape
-    E, _, h = w2.shape
-    K = gates.shape[1]
-    LK = L * K
-    H2 = w13.shape[1]
-    dt = logical_dtype(x)
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
     if L == 0:
         dw13.fill(0)
         dw2.fill(0)

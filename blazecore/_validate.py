@@ -40,6 +40,13 @@ def check_contiguous(arr, name: str) -> None:
         raise ValueError(f"{name}: must be C-contiguous (call .contiguous() / ascontiguousarray first)")
 
 
+def check_array(arr, name: str, dtypes, shape: tuple) -> None:
+    """dtype in ``dtypes``, exactly ``shape``, C-contiguous (an output buffer or an operand a kernel indexes)."""
+    check_dtype(arr, name, dtypes)
+    check_shape(arr, name, shape)
+    check_contiguous(arr, name)
+
+
 def same_device(arrays: dict) -> bool:
     """True if all arrays are on the GPU (same device), False if all on the CPU; else ValueError."""
     kinds = {name: is_gpu(a) for name, a in arrays.items()}

@@ -243,9 +243,7 @@ def check_blocks(num_tokens: int, top_k: int) -> int:
 
 
 def _check_int32_out(arr, name: str, shape: tuple) -> None:
-    _validate.check_dtype(arr, name, (np.int32,))
-    _validate.check_shape(arr, name, shape)
-    _validate.check_contiguous(arr, name)
+    _validate.check_array(arr, name, (np.int32,), shape)
 
 
 def _check_ids_gpu(ids, num_experts: int) -> int:

@@ -167,9 +167,7 @@ def _check_dispatch(disp, L: int, K: int, E: int, gpu: bool, dev: int | None) ->
         if _array.is_gpu(a) != gpu:
             raise ValueError(f"{what} is on the {'GPU' if _array.is_gpu(a) else 'CPU'}, "
                              f"the inputs on the {'GPU' if gpu else 'CPU'}")
-        _validate.check_dtype(a, what, (np.int32,))
-        _validate.check_shape(a, what, shape)
-        _validate.check_contiguous(a, what)
+        _validate.check_array(a, what, (np.int32,), shape)
         if gpu and a.device.id != dev:
             raise ValueError(f"{what} is on GPU {a.device.id}, the inputs on GPU {dev}")
 

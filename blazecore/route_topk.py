@@ -176,9 +176,7 @@ def _check_id_values(ids, E: int, name: str, distinct: bool) -> None:
 
 def _check_bias(bias, E: int):
     b = _array.asarray(bias, "expert_bias")
-    _validate.check_dtype(b, "expert_bias", (np.float32,))
-    _validate.check_shape(b, "expert_bias", (E,))
-    _validate.check_contiguous(b, "expert_bias")
+    _validate.check_array(b, "expert_bias", (np.float32,), (E,))
     return b
 
 
@@ -221,9 +219,7 @@ def launch_route_topk_fwd(logits, bias, gates, ids, top_k: int, score: int, reno
         raise TypeError(f"ids: expected int32, got {ids.dtype}")
     _validate.check_contiguous(ids, "ids")
     if bias is not None:
-        _validate.check_dtype(bias, "expert_bias", (np.float32,))
-        _validate.check_shape(bias, "expert_bias", (E,))
-        _validate.check_contiguous(bias, "expert_bias")
+        _validate.check_array(bias, "expert_bias", (np.float32,), (E,))
     if L == 0:
         return
     warps, vpt = _row_config(E)
@@ -239,12 +235,8 @@ def launch_route_topk_bwd(dgates, logits, ids, dlogits, score: int, renormalize:
     L, E = _check_logits(logits)
     K = _check_ids(ids, "expert_ids", L, E)
     dt = logical_dtype(logits)
-    _validate.check_dtype(dgates, "dgates", (np.float32,))
-    _validate.check_shape(dgates, "dgates", (L, K))
-    _validate.check_contiguous(dgates, "dgates")
-    _validate.check_dtype(dlogits, "dlogits", (dt,))
-    _validate.check_shape(dlogits, "dlogits", (L, E))
-    _validate.check_contiguous(dlogits, "dlogits")
+    _validate.check_array(dgates, "dgates", (np.float32,), (L, K))
+    _validate.check_array(dlogits, "dlogits", (dt,), (L, E))
     if L == 0:
         return
     warps, vpt = _row_config(E)
@@ -281,9 +273,7 @@ def launch_router_aux_partial(logits, ids, part_p, part_z, part_count, rows_per_
             raise TypeError(f"part_count: expected int32, got {part_count.dtype}")
         _validate.check_contiguous(part_count, "part_count")
     if part_p is not None:
-        _validate.check_dtype(part_p, "part_p", (np.float32,))
-        _validate.check_shape(part_p, "part_p", (G, E))
-        _validate.check_contiguous(part_p, "part_p")
+        _validate.check_array(part_p, "part_p", (np.float32,), (G, E))
     if part_z is not None:
         _validate.check_dtype(part_z, "part_z", (np.float32,))
         _validate.check_shape(part_z, "part_z", (G,))
@@ -325,9 +315,7 @@ def launch_router_aux_finalize(part_p, part_count, part_z, L: int, K: int, E: in
         raise ValueError("f needs part_count")
     for name, a, shape in (("lb", lb, ()), ("z", z, ()), ("f", f, (E,))):
         if a is not None:
-            _validate.check_dtype(a, name, (np.float32,))
-            _validate.check_shape(a, name, shape)
-            _validate.check_contiguous(a, name)
+            _validate.check_array(a, name, (np.float32,), shape)
     _validate.check_int32_range(L * K, "L*K")
     _fn(_FINALIZE)((1,), (1024,),
                    (_NULL if part_p is None else part_p, _NULL if part_count is None else part_count,
@@ -349,9 +337,7 @@ def launch_router_aux_bwd(logits, f, d_lb, d_lb_value: float, d_z, d_z_value: fl
             _validate.check_dtype(d, name, (np.float32,))
             if d.size != 1:
                 raise ValueError(f"{name}: expected one element, got shape {tuple(d.shape)}")
-    _validate.check_dtype(dlogits, "dlogits", (dt,))
-    _validate.check_shape(dlogits, "dlogits", (L, E))
-    _validate.check_contiguous(dlogits, "dlogits")
+    _validate.check_array(dlogits, "dlogits", (dt,), (L, E))
     if L == 0:
         return
     warps, vpt = _row_config(E)
@@ -434,9 +420,7 @@ def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormal
     L, E = _check_logits(x)
     K = _check_ids(ids, "expert_ids", L, E)
     score_id = _check_score(score)
-    _validate.check_dtype(dg, "dgates", (np.float32,))
-    _validate.check_shape(dg, "dgates", (L, K))
-    _validate.check_contiguous(dg, "dgates")
+    _validate.check_array(dg, "dgates", (np.float32,), (L, K))
     gpu = _validate.same_device({"dgates": dg, "logits": x, "expert_ids": ids})
     dt = logical_dtype(x)
     dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
