@@ -185,33 +185,54 @@ __device__ __forceinline__ void epi_rowscale(const T* bias_e, T* out, long long 
   store2<T>(out + (long long)s * ldo + n, o0 * gs, o1 * gs);
 }
 
-// acc = dh' = dy_t w2_e at columns n, n+1 of h. Recompute hcur from z (row of zr, gate columns then up
-// columns at N + n), write dz = d(act)/dz * g * dh' to dz (may be the same memory as z: every element is read
-// before this thread writes it, and no other thread touches it) and g * hcur to hg; return the dgates
-// contribution sum(dh' * hcur) of the pair.
+// Activation backward of one pair of columns (c, c+1) of h. In: the pre-activations a (gate part; the whole
+// pre-activation when not gated), b (up part; unused when not gated), dh' = dy_t w2_e and the slot's gate.
+// Out: dz (gate part da and up part db; db unused when not gated), g * hcur, and the dgates contribution
+// sum(dh' * hcur) of the pair.
+struct DhcurPair {
+  float da0, da1, db0, db1, hg0, hg1, p;
+};
+template <int ACT>
+__device__ __forceinline__ DhcurPair dhcur_math(float a0, float a1, float b0, float b1, float d0, float d1, float gs) {
+  DhcurPair r;
+  const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
+  if constexpr (act_gated(ACT)) {
+    const float h0 = s0 * b0, h1 = s1 * b1;
+    const float dh0 = gs * d0, dh1 = gs * d1;
+    r.da0 = dh0 * b0 * act_grad<ACT>(a0);
+    r.da1 = dh1 * b1 * act_grad<ACT>(a1);
+    r.db0 = dh0 * s0;
+    r.db1 = dh1 * s1;
+    r.hg0 = gs * h0;
+    r.hg1 = gs * h1;
+    r.p = d0 * h0 + d1 * h1;
+  } else {
+    r.da0 = gs * d0 * act_grad<ACT>(a0);
+    r.da1 = gs * d1 * act_grad<ACT>(a1);
+    r.db0 = r.db1 = 0.f;
+    r.hg0 = gs * s0;
+    r.hg1 = gs * s1;
+    r.p = d0 * s0 + d1 * s1;
+  }
+  return r;
+}
+
+// acc = dh' at columns n, n+1 of h for slot s: read z (row of z: gate columns, up columns at N + n), write
+// dz (may be the same memory as z: every element is read before this thread writes it, and no other
+// thread touches it) and g * hcur to hg; return the dgates contribution.
 template <typename T, int ACT>
 __device__ __forceinline__ float epi_dhcur(const T* z, long long ldz, int N, T* dz, long long lddz, T* hg,
                                            long long ldhg, int s, int n, float d0, float d1, float gs) {
   const T* zr = z + (long long)s * ldz;
   T* dzr = dz + (long long)s * lddz;
-  float a0, a1;
+  float a0, a1, b0 = 0.f, b1 = 0.f;
   load2<T>(zr + n, a0, a1);
-  if constexpr (act_gated(ACT)) {
-    float b0, b1;
-    load2<T>(zr + N + n, b0, b1);
-    const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
-    const float h0 = s0 * b0, h1 = s1 * b1;
-    const float dh0 = gs * d0, dh1 = gs * d1;
-    store2<T>(dzr + n, dh0 * b0 * act_grad<ACT>(a0), dh1 * b1 * act_grad<ACT>(a1));
-    store2<T>(dzr + N + n, dh0 * s0, dh1 * s1);
-    store2<T>(hg + (long long)s * ldhg + n, gs * h0, gs * h1);
-    return d0 * h0 + d1 * h1;
-  } else {
-    const float h0 = act_f<ACT>(a0), h1 = act_f<ACT>(a1);
-    store2<T>(dzr + n, gs * d0 * act_grad<ACT>(a0), gs * d1 * act_grad<ACT>(a1));
-    store2<T>(hg + (long long)s * ldhg + n, gs * h0, gs * h1);
-    return d0 * h0 + d1 * h1;
-  }
+  if constexpr (act_gated(ACT)) load2<T>(zr + N + n, b0, b1);
+  const DhcurPair r = dhcur_math<ACT>(a0, a1, b0, b1, d0, d1, gs);
+  store2<T>(dzr + n, r.da0, r.da1);
+  if constexpr (act_gated(ACT)) store2<T>(dzr + N + n, r.db0, r.db1);
+  store2<T>(hg + (long long)s * ldhg + n, r.hg0, r.hg1);
+  return r.p;
 }
 
 }  // namespace blz

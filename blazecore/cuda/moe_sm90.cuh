@@ -264,6 +264,48 @@ template <int STAGES> __device__ __forceinline__ void producer_drain(unsigned fu
 #endif
 }
 
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+// Named barrier 1 over the two consumer warpgroups (the producer warpgroup does not take part).
+__device__ __forceinline__ void consumer_bar_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(128 * CONSUMER_WGS) : "memory");
+}
+template <typename T> __device__ __forceinline__ float2 unpack2(unsigned v);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(unsigned v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+// No "memory" clobber: volatile asm statements keep their order, which is all the staged epilogue needs
+// within a thread (__syncwarp orders it across lanes).
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 }  // namespace sm90
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -485,6 +527,33 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         if (s < m_end && n < N) epi_rowscale<T>(be, out, ldo, s, n, o0, o1, gs[h]);
       });
     } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
+      // The z rows are read and dz / g*hcur written through the (now idle) stage ring with 16-byte row
+      // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps
+      // = 192 KB of the 196 KB ring). 16-byte chunks are XOR-swizzled by row (chunk ^ (row & 7)), which keeps
+      // both the row copies and the fragment-pattern 4-byte accesses free of bank conflicts.
+      constexpr bool G2 = act_gated(ACT);
+      constexpr int RB = BN * 2;                         // bytes per staged row
+      constexpr int ARR = 16 * RB;                       // bytes per staged 16-row array
+      constexpr int NARR = G2 ? 3 : 2;
+      constexpr int CPR = BN / EPC, RPI = 32 / CPR;      // chunks per row; rows per warp instruction
+      static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "dhcur staging fits in the stage ring");
+      const int lane = t & 31, wq = t >> 5;              // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
+      const unsigned za = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
+      const unsigned zb = za + ARR, hs = za + (NARR - 1) * ARR;
+      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
+      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+      const int wrow0 = srow0 + 16 * wq;
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+#pragma unroll 1
+      for (int i = 0; i < 16 / RPI; ++i) {
+        const int rl = RPI * i + ro, s = wrow0 + rl;
+        const bool ok = s < m_end && nc < N;
+        const T* zr = aux + (long long)s * ldaux + nc;
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        sm90::st_shared_v4(za + chunk_off(rl, co), ok ? *reinterpret_cast<const uint4*>(zr) : zero);
+        if constexpr (G2) sm90::st_shared_v4(zb + chunk_off(rl, co), ok ? *reinterpret_cast<const uint4*>(zr + N) : zero);
+      }
+      __syncwarp();
       float gs[2], psum[2] = {0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -492,9 +561,27 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
       }
       sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float d0, float d1) {
-        const int s = srow0 + r, n = n0 + c;
-        if (s < m_end && n < N) psum[h] += epi_dhcur<T, ACT>(aux, ldaux, N, out, ldo, out2, ldo2, s, n, d0, d1, gs[h]);
+        const int rl = r - 16 * wq;
+        const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+        const float2 a = sm90::unpack2<T>(sm90::ld_shared_u32(za + off));
+        const float2 b = G2 ? sm90::unpack2<T>(sm90::ld_shared_u32(zb + off)) : make_float2(0.f, 0.f);
+        const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d0, d1, gs[h]);
+        sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
+        if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
+        sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
+        psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
       });
+      __syncwarp();
+#pragma unroll 1
+      for (int i = 0; i < 16 / RPI; ++i) {
+        const int rl = RPI * i + ro, s = wrow0 + rl;
+        if (s < m_end && nc < N) {
+          T* dzr = out + (long long)s * ldo + nc;
+          *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
+          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + N) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
+          *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+        }
+      }
       // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -542,32 +629,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 // o_estride. Kd, b_estride, tile_offsets and the epilogue extras are ignored.
 // Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
 // dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
-namespace sm90 {
-template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
-  const __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
-// Named barrier 1 over the two consumer warpgroups (the producer warpgroup does not take part).
-__device__ __forceinline__ void consumer_bar_sync() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(128 * CONSUMER_WGS) : "memory");
-}
-}  // namespace sm90
 
 template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
