@@ -515,17 +515,37 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         });
       }
     } else if constexpr (EPI == EPI_ROWSCALE) {
+      // (acc + bias) * gate, staged per warp (16 rows x BN, swizzled as in EPI_DHCUR) for 16-byte row stores
+      constexpr int RB = BN * 2, CPR = BN / EPC, RPI = 32 / CPR;
+      static_assert(8 * 16 * RB <= STAGES * C::STAGE_BYTES, "rowscale staging fits in the stage ring");
       const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+      const int lane = t & 31, wq = t >> 5;
+      const unsigned ws = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * RB);
+      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
       float gs[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int s = srow0 + sm90::acc_row(2 * h, t);
         gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
       }
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
       sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float o0, float o1) {
-        const int s = srow0 + r, n = n0 + c;
-        if (s < m_end && n < N) epi_rowscale<T>(be, out, ldo, s, n, o0, o1, gs[h]);
+        const int rl = r - 16 * wq;
+        if (be && n0 + c < N) {
+          float x0, x1;
+          load2<T>(be + n0 + c, x0, x1);
+          o0 += x0; o1 += x1;
+        }
+        sm90::st_shared_u32(ws + chunk_off(rl, c >> 3) + (c & 7) * 2, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
       });
+      __syncwarp();
+      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+#pragma unroll 1
+      for (int i = 0; i < 16 / RPI; ++i) {
+        const int rl = RPI * i + ro, s = srow0 + 16 * wq + rl;
+        if (s < m_end && nc < N)
+          *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(ws + chunk_off(rl, co));
+      }
     } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
       // The z rows are read and dz / g*hcur written through the (now idle) stage ring with 16-byte row
       // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps
