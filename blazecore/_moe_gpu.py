@@ -64,18 +64,22 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}>"
 
 
-def _wgrad90_name(ct, a_gather, b_gather):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}>"
+    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}" + (f", {BN90}, true>" if out_t else ">")
 
 
-def _name90(ct, v):
+def _name90(ct, which, v):
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
+    if which == "dw2":
+        # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
+        # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
+        return _wgrad90_name(ct, False, True, out_t=True)
     return _gemm90_name(ct, b_kmajor, epi, act, a_gather) if mode == MODE_M else _wgrad90_name(ct, a_gather, b_gather)
 
 
 def _module_names90(ct, act):
-    return [_name90(ct, v) for v in _variants(ct, act).values()]
+    return [_name90(ct, k, v) for k, v in _variants(ct, act).items()]
 
 
 def _smem90(bn=BN90):
@@ -120,7 +124,8 @@ class _Kernels:
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
-            fn = _compile.get_function(_FILE90, _name90(self.ct, v), module_names=names, max_dynamic_smem=_smem90())
+            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v), module_names=names,
+                                       max_dynamic_smem=_smem90())
             return fn, _smem90(), NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
         return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
@@ -259,8 +264,14 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved
     )
     del part
     # dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order
-    _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=hg, ldb=h, b_estride=0,
-                 disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h, o_estride=d * h)
+    if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
+        _launch_gemm(kern, "dw2", E * -(-h // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=h, B=dy, ldb=d,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=h, N=d, Kd=0, out=dw2, ldo=h,
+                     o_estride=d * h)
+    else:
+        _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=hg, ldb=h,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h,
+                     o_estride=d * h)
     del hg
     # dw13_e = dz^T x_g
     _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,

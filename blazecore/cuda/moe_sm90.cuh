@@ -273,6 +273,13 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) 
   const __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<const unsigned*>(&v);
 }
+template <typename T> __device__ __forceinline__ unsigned short pack1(float a) {
+  const T v = from_f<T>(a);
+  return *reinterpret_cast<const unsigned short*>(&v);
+}
+__device__ __forceinline__ void st_shared_u16(unsigned addr, unsigned short v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
@@ -650,7 +657,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 // Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
 // dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
 
-template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256>
+// OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
+// wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -810,36 +819,62 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     }
 
-    // ---- epilogue: stage each warp's 16 x BN rows as T, then 16-byte row-wise stores ------------------
-    constexpr int PITCH = BN * 2 + 16;  // bytes per staged row; 16-byte pad: conflict-free fragment writes
-    constexpr int CPO = BN / EPC, RPO = 32 / CPO;  // output chunks per row, rows per warp instruction
-    static_assert(8 * 16 * PITCH <= STAGES * C::STAGE_BYTES, "staging fits in the stage ring");
-    const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup owns rows [16 wq, 16 wq + 16)
-    const unsigned stg = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * PITCH);
-    sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-    sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
-      sm90::st_shared_u32(stg + (r - 16 * wq) * PITCH + c * 2, sm90::pack2<T>(v0, v1));
-    });
-    __syncwarp();
     T* oe = out + (long long)e * o_estride;
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
                        (o_estride & 7) == 0;  // every 8-element chunk of W starts 16-byte aligned
-    const int co = lane % CPO, ro = lane / CPO;
-    const int n = n0 + co * EPC;
-    const int mrow0 = m0 + cw * 64 + wq * 16;
+    auto store16 = [&](T* dst, uint4 v) {
+      if (vec16) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        unsigned* d4 = reinterpret_cast<unsigned*>(dst);
+        d4[0] = v.x; d4[1] = v.y; d4[2] = v.z; d4[3] = v.w;
+      }
+    };
+    const int lane = t & 31;
+    if constexpr (OUT_T) {
+      // ---- epilogue: the whole 128 x BN tile staged transposed ([BN rows n][128 m], 256 bytes a row, 16-byte
+      // chunks XOR-swizzled by n), then 16-byte stores along m of each output row n.
+      constexpr int TRB = BM * 2, TCPR = BM / EPC, TRPI = 32 / TCPR;  // 256 B rows, 16 chunks, 2 rows / instr
+      static_assert(BN * TRB <= STAGES * C::STAGE_BYTES, "transposed staging fits in the stage ring");
+      auto toff = [](int n, int m) {
+        return static_cast<unsigned>(n * TRB + ((((m >> 3) ^ (n & 15)) << 4)) + (m & 7) * 2);
+      };
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
+        const int m = cw * 64 + r;
+        sm90::st_shared_u16(sbase + toff(c, m), sm90::pack1<T>(v0));
+        sm90::st_shared_u16(sbase + toff(c + 1, m), sm90::pack1<T>(v1));
+      });
+      sm90::consumer_bar_sync();
+      const int ct = tid - 128;  // 0..255 over both consumer warpgroups
+      const int co = ct % TCPR, ro = ct / TCPR;  // chunk of m; first staged row n
+#pragma unroll 1
+      for (int nr = ro; nr < BN; nr += 256 / TCPR) {
+        const int n = n0 + nr, m = m0 + co * EPC;
+        if (n < N && m < M) store16(oe + (long long)n * ldo + m, sm90::ld_shared_v4(sbase + toff(nr, co * EPC)));
+      }
+      (void)TRPI;
+    } else {
+      // ---- epilogue: stage each warp's 16 x BN rows as T, then 16-byte row-wise stores ----------------
+      constexpr int PITCH = BN * 2 + 16;  // bytes per staged row; 16-byte pad: conflict-free fragment writes
+      constexpr int CPO = BN / EPC, RPO = 32 / CPO;  // output chunks per row, rows per warp instruction
+      static_assert(8 * 16 * PITCH <= STAGES * C::STAGE_BYTES, "staging fits in the stage ring");
+      const int wq = t >> 5;  // warp wq of the warpgroup owns rows [16 wq, 16 wq + 16)
+      const unsigned stg = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * PITCH);
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
+        sm90::st_shared_u32(stg + (r - 16 * wq) * PITCH + c * 2, sm90::pack2<T>(v0, v1));
+      });
+      __syncwarp();
+      const int co = lane % CPO, ro = lane / CPO;
+      const int n = n0 + co * EPC;
+      const int mrow0 = m0 + cw * 64 + wq * 16;
 #pragma unroll
-    for (int i = 0; i < 16 / RPO; ++i) {
-      const int rr = RPO * i + ro;
-      const uint4 v = sm90::ld_shared_v4(stg + rr * PITCH + co * 16);
-      const int m = mrow0 + rr;
-      if (m < M && n < N) {
-        T* dst = oe + (long long)m * ldo + n;
-        if (vec16) {
-          *reinterpret_cast<uint4*>(dst) = v;
-        } else {
-          unsigned* d4 = reinterpret_cast<unsigned*>(dst);
-          d4[0] = v.x; d4[1] = v.y; d4[2] = v.z; d4[3] = v.w;
-        }
+      for (int i = 0; i < 16 / RPO; ++i) {
+        const int rr = RPO * i + ro;
+        const uint4 v = sm90::ld_shared_v4(stg + rr * PITCH + co * 16);
+        const int m = mrow0 + rr;
+        if (m < M && n < N) store16(oe + (long long)m * ldo + n, v);
       }
     }
   }
