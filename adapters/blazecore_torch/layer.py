@@ -1,0 +1,118 @@
+"""``MoELayer``: a top-k router and fused experts on blazecore's ops.
+
+Parameters are named and laid out like transformers' fused experts, so weights load from (and map to)
+an HF MoE block without reshaping:
+
+    router.weight   (E, d)        logits = x @ router.weight^T
+    gate_up_proj    (E, 2h, d)    rows [0, h) the gate projection, [h, 2h) the up projection
+                                  ((E, h, d) for non-gated activations)
+    down_proj       (E, d, h)
+
+which are blazecore's w13 and w2 as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import blazecore
+
+from . import ops
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts feed-forward layer: router -> top-k -> expert FFNs -> gate-weighted combine.
+
+    Args:
+        hidden_size: d.
+        intermediate_size: h, each expert's hidden width.
+        num_experts: E.
+        top_k: K experts per token, 1 <= K <= E.
+        activation: one of ``blazecore.ACTIVATIONS`` ("swiglu" default).
+        score: router score, "softmax" or "sigmoid".
+        renormalize: divide the K selected scores by their sum.
+        expert_bias: keep an (E,) float32 buffer ``expert_bias`` added to the scores for selection only
+            (aux-loss-free balancing); update it with :meth:`update_expert_bias`.
+        checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute them).
+        device, dtype: of the parameters.
+
+    ``forward(x)`` takes x (..., d) and returns ``(y, aux)``: y with x's shape and dtype, and aux a dict with
+    ``load_balancing_loss`` and ``z_loss`` (0-d float32, float64 for a float64 layer; differentiable through
+    the router logits), ``router_logits`` (L, E) and ``tokens_per_expert`` (E,) int32 of this call.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
+                 expert_bias: bool = False, checkpoint: str = "ab", device=None, dtype=None):
+        super().__init__()
+        gated = blazecore.activation_info(activation)
+        if checkpoint not in blazecore.CHECKPOINTS:
+            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {blazecore.CHECKPOINTS})")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
+        fk = {"device": device, "dtype": dtype}
+        R = 2 * intermediate_size if gated else intermediate_size
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, R, hidden_size, **fk))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # each expert is an nn.Linear pair: uniform(+-1/sqrt(fan_in)) like nn.Linear's default bound
+        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.intermediate_size), 1 / math.sqrt(self.intermediate_size))
+        self.router.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}, "
+                f"expert_bias={self.expert_bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
+        if x.dtype != self.gate_up_proj.dtype:
+            raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({self.gate_up_proj.dtype})")
+        if x.device != self.gate_up_proj.device:
+            raise ValueError(f"x is on {x.device}, the layer's parameters on {self.gate_up_proj.device}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size).contiguous()
+        logits = self.router(tokens)
+        gates, ids = ops.route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize,
+                                    expert_bias=self.expert_bias)
+        # ids come from route_topk (in range, distinct): no validation read
+        dispatch = ops.build_dispatch(ids, self.num_experts, validate=False)
+        y = ops.moe_ffn(tokens, self.gate_up_proj, self.down_proj, gates, ids, activation=self.activation,
+                        checkpoint=self.checkpoint, dispatch=dispatch)
+        aux = {
+            "load_balancing_loss": ops.load_balancing_loss(logits, ids),
+            "z_loss": ops.router_z_loss(logits),
+            "router_logits": logits,
+            "tokens_per_expert": dispatch.counts(),
+        }
+        return y.reshape(shape), aux
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower it for over-loaded ones.
+
+        bias_e += rate * sign(mean_count - count_e), with ``tokens_per_expert`` (E,) from ``aux``.
+        """
+        if self.expert_bias is None:
+            raise RuntimeError("this MoELayer was built without expert_bias=True")
+        counts = tokens_per_expert.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))

@@ -1,0 +1,547 @@
+"""blazecore's ops as PyTorch custom ops (namespace ``blazecore``), with fake kernels and autograd.
+
+Ops (``torch.ops.blazecore.<name>``), each a ``torch.library.custom_op`` with ``register_fake``:
+
+    route_topk(logits, top_k, score, renormalize, expert_bias?) -> (gates, expert_ids)
+    route_topk_backward(dgates, logits, expert_ids, score, renormalize) -> dlogits
+    load_balancing_loss(logits, expert_ids) -> loss            load_balancing_loss_backward(dloss, ...)
+    router_z_loss(logits) -> loss                              router_z_loss_backward(dloss, logits)
+    build_dispatch(expert_ids, num_experts, validate) -> (expert_offsets, slot_token, slot_k, pair_slot)
+    moe_forward(x, w13, w2, gates, expert_ids, <dispatch>, b13?, b2?, activation, checkpoint) -> (y, ab)
+    moe_backward(dy, x, w13, w2, gates, expert_ids, <dispatch>, ab, b13?, b2?, activation, checkpoint)
+        -> (dx, dw13, dw2, dgates, db13, db2)
+
+The forward ops carry ``register_autograd`` wiring to the backward ops, which are custom ops themselves, so
+``torch.compile`` sees one opaque node per direction. The Python functions at the bottom
+(:func:`route_topk`, :func:`build_dispatch`, :func:`moe_ffn`, ...) are the convenient entry points.
+
+What the adapter does and does not do: no math. It converts tensors to blazecore's intake (DLPack,
+zero-copy; bf16 included), installs an allocator so every GPU output and workspace is a ``torch.empty``
+(the caching allocator owns and counts the memory: ``torch.cuda.max_memory_allocated`` sees it), launches
+on torch's current stream, and turns the NumPy results of the CPU reference path into tensors.
+
+The MoESaved record of ``blazecore.moe_forward`` cannot cross a custom-op boundary, so ``moe_forward``
+returns what the backward needs besides its inputs as tensors: ``ab``, the pre-activations (L*K, R) in
+x's dtype in expert-slot order under checkpoint "ab" (a (0, R) placeholder under "none"); the dispatch
+tensors are inputs of both ops. ``moe_backward`` rebuilds a MoESaved from them and calls
+``blazecore.moe_backward(..., retain=True)``: without ``retain`` the GPU backward would write the
+activation gradient over ``ab``, an input the op does not declare as mutated; autograd may also run the
+backward twice (``retain_graph=True``) or the compiler may reuse the buffer. The cost is one (L*K, R)
+transient at the backward's peak, the same as checkpoint "none" always pays.
+
+dtypes: x, w13, w2 (and biases) float32, float16 or bfloat16 with float32 gates, on CPU or CUDA. On
+the CPU, float64 is accepted as well (gates float64 too) and runs blazecore's float64 NumPy reference
+directly (``blazecore.reference``); that is what ``torch.autograd.gradcheck`` needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+import blazecore
+from blazecore import _array
+from blazecore.reference import moe as _ref_moe
+from blazecore.reference import route_topk as _ref_route
+
+__all__ = [
+    "TorchDispatch",
+    "build_dispatch",
+    "load_balancing_loss",
+    "moe_ffn",
+    "route_topk",
+    "router_z_loss",
+]
+
+_LIB = "blazecore"
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion: tensors in, tensors out, torch-owned memory, torch's stream
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_allocator(device: torch.device):
+    def alloc(shape, dtype_name):
+        return torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
+
+    return alloc
+
+
+@contextlib.contextmanager
+def _core_call(device: torch.device):
+    """Context for one core call on ``device``; yields the ``stream=`` argument (None on the CPU).
+
+    On CUDA: the device is made current, torch's current stream becomes CuPy's current stream as well
+    (DLPack hand-overs then need no cross-stream event) and every output or workspace is ``torch.empty``.
+    """
+    if device.type != "cuda":
+        yield None
+        return
+    import cupy
+
+    with torch.cuda.device(device):
+        handle = torch.cuda.current_stream(device).cuda_stream
+        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(handle, device.index):
+            with blazecore.allocator(_torch_allocator(device)):
+                yield handle
+
+
+def _to_torch(a) -> torch.Tensor:
+    """A core result as a tensor: torch tensors (from the allocator) pass; NumPy (CPU path) is wrapped."""
+    if isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # (np.ascontiguousarray would turn a 0-d loss into shape (1,))
+        if a.dtype == blazecore.BF16:
+            return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    t = torch.from_dlpack(a)  # a CuPy view of an allocator tensor: shares its memory
+    # uint16 is how the core holds bf16 on the GPU (no blazecore op has real uint16 data)
+    return t.view(torch.bfloat16) if t.dtype == torch.uint16 else t
+
+
+def _detach(*tensors):
+    """The op's inputs as plain tensors: a custom op's implementation can still see ``requires_grad`` inputs
+    (autograd has been handled above it), and DLPack refuses to export those."""
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
+def _np(t: torch.Tensor | None):
+    """NumPy view of a CPU tensor for the float64 reference path."""
+    return None if t is None else t.detach().numpy()
+
+
+def _is_f64(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float64
+
+
+def _check_f64_cpu(tensors: dict) -> None:
+    """The float64 path is the CPU reference: every floating operand float64 and on the CPU."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: float64 runs only on the CPU reference path, got a {t.device} tensor")
+        if t.dtype != torch.float64:
+            raise TypeError(f"{name}: dtype {t.dtype}; with float64 inputs every floating operand must be float64")
+
+
+def _check_same_device(tensors: dict) -> torch.device:
+    devs = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devs.values())) > 1:
+        where = ", ".join(f"{n} on {d}" for n, d in devs.items())
+        raise ValueError(f"blazecore: inputs must all be on one device: {where}")
+    return next(iter(devs.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::route_topk", mutates_args=())
+def _route_topk_op(logits: torch.Tensor, top_k: int, score: str, renormalize: bool,
+                   expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, expert_bias = _detach(logits, expert_bias)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits})
+        if not 1 <= top_k <= logits.shape[1]:
+            raise ValueError(f"top_k = {top_k} must be in [1, E] with E = {logits.shape[1]} experts")
+        g, i = _ref_route.route_topk_forward(_np(logits), top_k, score=score, renormalize=renormalize,
+                                             expert_bias=_np(expert_bias))
+        return torch.from_numpy(g), torch.from_numpy(i.astype(np.int32))
+    with _core_call(logits.device) as stream:
+        g, i = blazecore.route_topk.route_topk(logits, top_k, score=score, renormalize=renormalize,
+                                               expert_bias=expert_bias, stream=stream)
+        return _to_torch(g), _to_torch(i)
+
+
+@_route_topk_op.register_fake
+def _(logits, top_k, score, renormalize, expert_bias):
+    L = logits.shape[0]
+    gdt = torch.float64 if _is_f64(logits) else torch.float32
+    return logits.new_empty((L, top_k), dtype=gdt), logits.new_empty((L, top_k), dtype=torch.int32)
+
+
+@torch.library.custom_op(f"{_LIB}::route_topk_backward", mutates_args=())
+def _route_topk_backward_op(dgates: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor, score: str,
+                            renormalize: bool) -> torch.Tensor:
+    dgates, logits, expert_ids = _detach(dgates, logits, expert_ids)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits, "dgates": dgates})
+        d = _ref_route.route_topk_backward(_np(dgates), _np(logits), _np(expert_ids).astype(np.int64), score=score,
+                                           renormalize=renormalize)
+        return torch.from_numpy(np.ascontiguousarray(d))
+    with _core_call(logits.device) as stream:
+        d = blazecore.route_topk_backward(dgates, logits, expert_ids, score=score, renormalize=renormalize,
+                                          stream=stream)
+        return _to_torch(d)
+
+
+@_route_topk_backward_op.register_fake
+def _(dgates, logits, expert_ids, score, renormalize):
+    return torch.empty_like(logits)
+
+
+def _route_setup(ctx, inputs, output):
+    logits, _, score, renormalize, _ = inputs
+    _, ids = output
+    ctx.save_for_backward(logits, ids)
+    ctx.score, ctx.renormalize = score, renormalize
+
+
+def _route_backward(ctx, dgates, dids):
+    logits, ids = ctx.saved_tensors
+    if dgates is None:
+        return None, None, None, None, None
+    dlogits = torch.ops.blazecore.route_topk_backward(dgates.contiguous(), logits, ids, ctx.score, ctx.renormalize)
+    return dlogits, None, None, None, None
+
+
+_route_topk_op.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+def _loss_dtype(logits):
+    return torch.float64 if _is_f64(logits) else torch.float32
+
+
+@torch.library.custom_op(f"{_LIB}::load_balancing_loss", mutates_args=())
+def _lb_loss_op(logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    logits, expert_ids = _detach(logits, expert_ids)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits})
+        return torch.tensor(_ref_route.load_balancing_loss(_np(logits), _np(expert_ids)), dtype=torch.float64)
+    with _core_call(logits.device) as stream:
+        return _to_torch(blazecore.load_balancing_loss(logits, expert_ids, stream=stream))
+
+
+@_lb_loss_op.register_fake
+def _(logits, expert_ids):
+    return logits.new_empty((), dtype=_loss_dtype(logits))
+
+
+@torch.library.custom_op(f"{_LIB}::load_balancing_loss_backward", mutates_args=())
+def _lb_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    dloss, logits, expert_ids = _detach(dloss, logits, expert_ids)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits})
+        d = _ref_route.load_balancing_loss_backward(float(dloss), _np(logits), _np(expert_ids))
+        return torch.from_numpy(np.ascontiguousarray(d))
+    with _core_call(logits.device) as stream:
+        # a CUDA dloss is read by the kernel (no host round trip); a CPU one becomes a Python number
+        return _to_torch(blazecore.load_balancing_loss_backward(dloss.float().contiguous(), logits, expert_ids,
+                                                                stream=stream))
+
+
+@_lb_loss_backward_op.register_fake
+def _(dloss, logits, expert_ids):
+    return torch.empty_like(logits)
+
+
+def _lb_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _lb_backward(ctx, dloss):
+    logits, ids = ctx.saved_tensors
+    return torch.ops.blazecore.load_balancing_loss_backward(dloss, logits, ids), None
+
+
+_lb_loss_op.register_autograd(_lb_backward, setup_context=_lb_setup)
+
+
+@torch.library.custom_op(f"{_LIB}::router_z_loss", mutates_args=())
+def _z_loss_op(logits: torch.Tensor) -> torch.Tensor:
+    (logits,) = _detach(logits)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits})
+        return torch.tensor(_ref_route.router_z_loss(_np(logits)), dtype=torch.float64)
+    with _core_call(logits.device) as stream:
+        return _to_torch(blazecore.router_z_loss(logits, stream=stream))
+
+
+@_z_loss_op.register_fake
+def _(logits):
+    return logits.new_empty((), dtype=_loss_dtype(logits))
+
+
+@torch.library.custom_op(f"{_LIB}::router_z_loss_backward", mutates_args=())
+def _z_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    dloss, logits = _detach(dloss, logits)
+    if _is_f64(logits):
+        _check_f64_cpu({"logits": logits})
+        return torch.from_numpy(np.ascontiguousarray(_ref_route.router_z_loss_backward(float(dloss), _np(logits))))
+    with _core_call(logits.device) as stream:
+        return _to_torch(blazecore.router_z_loss_backward(dloss.float().contiguous(), logits, stream=stream))
+
+
+@_z_loss_backward_op.register_fake
+def _(dloss, logits):
+    return torch.empty_like(logits)
+
+
+def _z_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _z_backward(ctx, dloss):
+    (logits,) = ctx.saved_tensors
+    return torch.ops.blazecore.router_z_loss_backward(dloss, logits)
+
+
+_z_loss_op.register_autograd(_z_backward, setup_context=_z_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_LIB}::build_dispatch", mutates_args=())
+def _build_dispatch_op(expert_ids: torch.Tensor, num_experts: int,
+                       validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _core_call(expert_ids.device) as stream:
+        d = blazecore.build_dispatch(expert_ids, num_experts, validate=validate, stream=stream)
+        # the core's GPU dispatch fields are CuPy views of allocator tensors: converted on torch's stream
+        return (_to_torch(d.expert_offsets), _to_torch(d.slot_token), _to_torch(d.slot_k), _to_torch(d.pair_slot))
+
+
+@_build_dispatch_op.register_fake
+def _(expert_ids, num_experts, validate):
+    L, K = expert_ids.shape
+    i32 = torch.int32
+    return (expert_ids.new_empty((num_experts + 1,), dtype=i32), expert_ids.new_empty((L * K,), dtype=i32),
+            expert_ids.new_empty((L * K,), dtype=i32), expert_ids.new_empty((L, K), dtype=i32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert FFN
+# ---------------------------------------------------------------------------------------------
+
+
+def _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L: int, K: int) -> blazecore.Dispatch:
+    a = _array.asarray
+    return blazecore.Dispatch(a(expert_offsets, "expert_offsets"), a(slot_token, "slot_token"), a(slot_k, "slot_k"),
+                              a(pair_slot, "pair_slot"), L, K, int(expert_offsets.shape[0]) - 1)
+
+
+def _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation):
+    """Shape checks of the float64 reference path (the core's own checks cover the other dtypes)."""
+    _check_f64_cpu({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2})
+    gated = blazecore.activation_info(activation)
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or gates.dim() != 2:
+        raise ValueError(f"expected x (L, d), w13 (E, R, d), w2 (E, d, h), gates (L, K); got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(gates.shape)}")
+    L, d = x.shape
+    E, d2, h = w2.shape
+    R = 2 * h if gated else h
+    if tuple(w13.shape) != (E, R, d) or d2 != d:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x's d = {d} and "
+                         f"{activation} (w13 must be {(E, R, d)})")
+    if tuple(gates.shape) != tuple(expert_ids.shape) or gates.shape[0] != L:
+        raise ValueError(f"gates {tuple(gates.shape)} and expert_ids {tuple(expert_ids.shape)} must both be (L={L}, K)")
+    if b13 is not None and tuple(b13.shape) != (E, R):
+        raise ValueError(f"b13: expected shape {(E, R)}, got {tuple(b13.shape)}")
+    if b2 is not None and tuple(b2.shape) != (E, d):
+        raise ValueError(f"b2: expected shape {(E, d)}, got {tuple(b2.shape)}")
+
+
+@torch.library.custom_op(f"{_LIB}::moe_forward", mutates_args=())
+def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
+                    expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
+                    slot_k: torch.Tensor, pair_slot: torch.Tensor, b13: torch.Tensor | None,
+                    b2: torch.Tensor | None, activation: str, checkpoint: str) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
+    L, K = expert_ids.shape
+    R = w13.shape[1]
+    if _is_f64(x):
+        _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation)
+        if checkpoint not in blazecore.CHECKPOINTS:
+            raise ValueError(f"unknown checkpoint policy {checkpoint!r}")
+        n = (_np(b13), _np(b2))
+        disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
+        y = _ref_moe.moe_forward_ref(_np(x), _np(w13), _np(w2), _np(gates), _np(expert_ids), activation, *n)
+        if checkpoint == "ab":
+            # the layout the core keeps: slot s holds the pair (slot_token[s], slot_k[s])
+            z = _ref_moe.moe_preact_ref(_np(x), _np(w13), _np(expert_ids), n[0]).reshape(L * K, R)
+            ab = torch.from_numpy(np.ascontiguousarray(z[disp.slot_token.astype(np.int64) * K + disp.slot_k]))
+        else:
+            ab = x.new_empty((0, R))
+        return torch.from_numpy(y), ab
+    with _core_call(x.device) as stream:
+        disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
+        y, saved = blazecore.moe_forward(x, w13, w2, gates, expert_ids, activation=activation, checkpoint=checkpoint,
+                                         b13=b13, b2=b2, dispatch=disp, stream=stream)
+        ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
+        return _to_torch(y), ab
+
+
+@_moe_forward_op.register_fake
+def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, b13, b2, activation,
+      checkpoint):
+    L, K = expert_ids.shape
+    R = w13.shape[1]
+    rows = L * K if checkpoint == "ab" else 0
+    return torch.empty_like(x), x.new_empty((rows, R))
+
+
+@torch.library.custom_op(f"{_LIB}::moe_backward", mutates_args=())
+def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
+                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
+                     slot_k: torch.Tensor, pair_slot: torch.Tensor, ab: torch.Tensor, b13: torch.Tensor | None,
+                     b2: torch.Tensor | None, activation: str, checkpoint: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dy, x, w13, w2, gates, ab, b13, b2 = _detach(dy, x, w13, w2, gates, ab, b13, b2)
+    L, K = expert_ids.shape
+    if _is_f64(x):
+        _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation)
+        _check_f64_cpu({"dy": dy})
+        g = _ref_moe.moe_backward_ref(_np(dy), _np(x), _np(w13), _np(w2), _np(gates), _np(expert_ids), activation,
+                                      _np(b13), _np(b2))
+        grads = [torch.from_numpy(np.ascontiguousarray(g[k])) for k in ("dx", "dw13", "dw2", "dgates")]
+    else:
+        if checkpoint == "ab" and (tuple(ab.shape) != (L * K, w13.shape[1]) or ab.dtype != x.dtype):
+            raise ValueError(f"ab: expected the forward's saved pre-activations, ({L * K}, {w13.shape[1]}) "
+                             f"{x.dtype}; got {tuple(ab.shape)} {ab.dtype}")
+        with _core_call(x.device) as stream:
+            a = _array.asarray
+            saved = blazecore.MoESaved(
+                a(x, "x"), a(w13, "w13"), a(w2, "w2"), a(gates, "gates"), a(expert_ids, "expert_ids"),
+                _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
+                None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
+                a(ab, "ab") if checkpoint == "ab" else None)
+            g = blazecore.moe_backward(dy, saved, stream=stream, retain=True)
+        grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
+        g = {"db13": g.db13, "db2": g.db2}
+    for key, b in (("db13", b13), ("db2", b2)):
+        # custom ops return no None: an absent bias gets an empty gradient that autograd drops
+        grads.append(x.new_empty((0,)) if b is None else _to_torch(g[key]))
+    return tuple(grads)
+
+
+@_moe_backward_op.register_fake
+def _(dy, x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, ab, b13, b2, activation,
+      checkpoint):
+    db13 = torch.empty_like(b13) if b13 is not None else x.new_empty((0,))
+    db2 = torch.empty_like(b2) if b2 is not None else x.new_empty((0,))
+    return (torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(gates), db13, db2)
+
+
+def _moe_setup(ctx, inputs, output):
+    (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint) = inputs
+    _, ab = output
+    ctx.mark_non_differentiable(ab)
+    ctx.save_for_backward(x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2)
+    ctx.activation, ctx.checkpoint = activation, checkpoint
+
+
+def _moe_backward(ctx, dy, dab):
+    x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2 = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dw13, dw2, dgates, db13, db2 = torch.ops.blazecore.moe_backward(
+        dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
+        ctx.activation, ctx.checkpoint)
+    return (dx, dw13, dw2, dgates, None, None, None, None, None, db13 if b13 is not None else None,
+            db2 if b2 is not None else None, None, None)
+
+
+_moe_forward_op.register_autograd(_moe_backward, setup_context=_moe_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchDispatch(NamedTuple):
+    """:class:`blazecore.Dispatch` as int32 tensors: expert_offsets (E+1,), slot_token (L*K,), slot_k (L*K,),
+    pair_slot (L, K). Built by :func:`build_dispatch`; pass it to :func:`moe_ffn` to reuse it."""
+
+    expert_offsets: torch.Tensor
+    slot_token: torch.Tensor
+    slot_k: torch.Tensor
+    pair_slot: torch.Tensor
+
+    def counts(self) -> torch.Tensor:
+        """Pairs per expert, (E,) int32."""
+        return self.expert_offsets[1:] - self.expert_offsets[:-1]
+
+
+def route_topk(logits: torch.Tensor, top_k: int, *, score: str = "softmax", renormalize: bool = True,
+               expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing (``blazecore.route_topk.route_topk``); differentiable w.r.t. the logits.
+
+    Args:
+        logits: (L, E) float32 / float16 / bfloat16 (float64 on the CPU).
+        top_k: K in [1, E].
+        score: "softmax" or "sigmoid".
+        renormalize: divide the selected scores by their sum.
+        expert_bias: optional (E,) selection-only bias (aux-loss-free balancing); cast to float32
+            (float64 for float64 logits). Gets no gradient.
+
+    Returns:
+        (gates (L, K) float32 (float64 for float64 logits), expert_ids (L, K) int32).
+    """
+    _check_same_device({"logits": logits, "expert_bias": expert_bias})
+    if expert_bias is not None:
+        expert_bias = expert_bias.detach().to(torch.float64 if _is_f64(logits) else torch.float32).contiguous()
+    return torch.ops.blazecore.route_topk(logits.contiguous(), int(top_k), score, bool(renormalize), expert_bias)
+
+
+def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool = True) -> TorchDispatch:
+    """Dispatch of a routing (``blazecore.build_dispatch``).
+
+    Args:
+        expert_ids: (L, K) int32 or int64, K distinct values in [0, num_experts) per row.
+        num_experts: E.
+        validate: check the id values (on CUDA a device-to-host read that synchronises the stream; pass
+            False for ids from :func:`route_topk`, or under CUDA-graph capture). The CPU always checks.
+    """
+    return TorchDispatch(*torch.ops.blazecore.build_dispatch(expert_ids.contiguous(), int(num_experts),
+                                                             bool(validate)))
+
+
+def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor,
+            *, activation: str = "swiglu", checkpoint: str = "ab", b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None) -> torch.Tensor:
+    """The expert FFNs and gate-weighted combine (``blazecore.moe_forward`` / ``moe_backward``).
+
+    Args:
+        x: (L, d) float32 / float16 / bfloat16 (float64 on the CPU).
+        w13: (E, 2h, d) for gated activations ([gate rows; up rows]), (E, h, d) otherwise; x's dtype.
+        w2: (E, d, h), x's dtype.
+        gates: (L, K) float32 (float64 with float64 x).
+        expert_ids: (L, K) int32 / int64, distinct per row, in [0, E).
+        activation: one of ``blazecore.ACTIVATIONS``.
+        checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute).
+        b13, b2: optional (E, R) and (E, d) biases, x's dtype.
+        dispatch: a :class:`TorchDispatch` of ``expert_ids``; built here (validating the ids) when None.
+
+    Returns:
+        y (L, d) in x's dtype, differentiable w.r.t. x, w13, w2, gates, b13, b2.
+    """
+    _check_same_device({"x": x, "w13": w13, "w2": w2, "gates": gates, "expert_ids": expert_ids, "b13": b13,
+                        "b2": b2})
+    if dispatch is None:
+        dispatch = build_dispatch(expert_ids, w13.shape[0])
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    y, _ = torch.ops.blazecore.moe_forward(c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
+                                           activation, checkpoint)
+    return y
+
+
+def load_balancing_loss(logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Switch load-balancing loss E * sum_e f_e P_e, a 0-d float32 (float64) tensor, differentiable w.r.t. logits."""
+    _check_same_device({"logits": logits, "expert_ids": expert_ids})
+    return torch.ops.blazecore.load_balancing_loss(logits.contiguous(), expert_ids.contiguous())
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss mean_t logsumexp(logits_t)^2, a 0-d float32 (float64) tensor, differentiable."""
+    return torch.ops.blazecore.router_z_loss(logits.contiguous())
