@@ -337,7 +337,7 @@ class _TinyModel(torch.nn.Module):
     def __init__(self, d=16, checkpoint="ab"):
         super().__init__()
         self.inp = torch.nn.Linear(d, d)
-        self.moe = MoELayer(d, 12, 4, 2, checkpoint=checkpoint)
+        self.moe = MoELayer(d, 16, 4, 2, checkpoint=checkpoint)  # h = 16: the GPU kernels need multiples of 8
         self.out = torch.nn.Linear(d, 1)
 
     def forward(self, x):
