@@ -1,0 +1,91 @@
+"""``moe_layer``: a functional Mixture-of-Experts layer (router -> top-k -> expert FFNs -> combine) on
+blazecore's JAX ops.
+
+Parameters are a dict laid out like transformers' fused experts (and ``blazecore_torch.MoELayer``), so the
+same weights run on both adapters:
+
+    "router"        (E, d)        logits = x @ router^T
+    "gate_up_proj"  (E, 2h, d)    rows [0, h) the gate projection, [h, 2h) the up projection
+                                  ((E, h, d) for non-gated activations)
+    "down_proj"     (E, d, h)
+
+A Flax NNX module is not provided here (flax is not a dependency); wrap ``moe_layer`` in one if needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+import blazecore
+
+from . import ops
+
+__all__ = ["init_moe_params", "moe_layer"]
+
+_PARAMS = ("router", "gate_up_proj", "down_proj")
+
+
+def init_moe_params(key, hidden_size: int, intermediate_size: int, num_experts: int, *,
+                    activation: str = "swiglu", dtype=jnp.float32) -> dict:
+    """Parameters for :func:`moe_layer`: uniform(+-1/sqrt(fan_in)) like ``blazecore_torch.MoELayer``."""
+    gated = blazecore.activation_info(activation)
+    d, h, E = int(hidden_size), int(intermediate_size), int(num_experts)
+    R = 2 * h if gated else h
+    k1, k2, k3 = jax.random.split(key, 3)
+    bd, bh = 1 / math.sqrt(d), 1 / math.sqrt(h)
+    return {
+        "router": jax.random.uniform(k1, (E, d), dtype, -bd, bd),
+        "gate_up_proj": jax.random.uniform(k2, (E, R, d), dtype, -bd, bd),
+        "down_proj": jax.random.uniform(k3, (E, d, h), dtype, -bh, bh),
+    }
+
+
+def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkpoint: str = "ab",
+              score: str = "softmax", renormalize: bool = True, expert_bias=None):
+    """Mixture-of-Experts feed-forward layer.
+
+    Args:
+        params: {"router": (E, d), "gate_up_proj": (E, R, d), "down_proj": (E, d, h)}, one dtype
+            (float32, float16 or bfloat16).
+        x: (..., d) tokens in the parameters' dtype.
+        top_k: K experts per token, 1 <= K <= E.
+        activation: one of ``blazecore.ACTIVATIONS``.
+        checkpoint: "ab" or "none" (see ``blazecore.moe_forward``).
+        score, renormalize: router scoring (see :func:`ops.route_topk`).
+        expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), no gradient.
+
+    Returns:
+        (y, aux): y with x's shape and dtype; aux a dict with ``load_balancing_loss`` and ``z_loss``
+        (0-d float32, differentiable through the router logits), ``router_logits`` (L, E) and
+        ``tokens_per_expert`` (E,) int32.
+    """
+    missing = [k for k in _PARAMS if k not in params]
+    if missing:
+        raise KeyError(f"params lacks {', '.join(missing)} (expected keys {', '.join(_PARAMS)})")
+    router, w13, w2 = (params[k] for k in _PARAMS)
+    if len(router.shape) != 2 or len(w13.shape) != 3:
+        raise ValueError(f"router {tuple(router.shape)} must be (E, d) and gate_up_proj {tuple(w13.shape)} (E, R, d)")
+    E, d = (int(s) for s in router.shape)
+    if int(w13.shape[0]) != E:
+        raise ValueError(f"router has {E} experts, gate_up_proj {int(w13.shape[0])}")
+    if not x.shape or int(x.shape[-1]) != d:
+        raise ValueError(f"x: last dimension {x.shape[-1] if x.shape else None}, expected hidden size d = {d}")
+    if x.dtype != w13.dtype or router.dtype != w13.dtype:
+        raise TypeError(f"x ({x.dtype}), router ({router.dtype}) and gate_up_proj ({w13.dtype}) must share a dtype")
+    shape = x.shape
+    tokens = x.reshape(-1, d)
+    logits = tokens @ router.T
+    gates, ids = ops.route_topk(logits, top_k, score=score, renormalize=renormalize, expert_bias=expert_bias)
+    # ids come from route_topk (in range, distinct): no validation read on the GPU
+    dispatch = ops.build_dispatch(ids, E, validate=False)
+    y = ops.moe_ffn(tokens, w13, w2, gates, ids, activation=activation, checkpoint=checkpoint, dispatch=dispatch)
+    aux = {
+        "load_balancing_loss": ops.load_balancing_loss(logits, ids),
+        "z_loss": ops.router_z_loss(logits),
+        "router_logits": logits,
+        "tokens_per_expert": dispatch.counts(),
+    }
+    return y.reshape(shape), aux

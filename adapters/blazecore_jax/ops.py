@@ -1,0 +1,552 @@
+"""blazecore's ops as JAX functions: ``jax.custom_vjp`` over ``jax.experimental.buffer_callback``.
+
+Every forward and backward is one buffer callback: XLA hands the callback its input buffers and the
+output buffers it owns, and the callback runs the core op into them. Functions (all usable under
+``jax.jit``, ``jax.grad`` and ``jax.vmap``):
+
+    route_topk(logits, top_k, score, renormalize, expert_bias?) -> (gates, expert_ids)    VJP -> dlogits
+    load_balancing_loss(logits, expert_ids) -> loss                                      VJP -> dlogits
+    router_z_loss(logits) -> loss                                                        VJP -> dlogits
+    build_dispatch(expert_ids, num_experts) -> JaxDispatch (int32 arrays, no gradient)
+    moe_forward(x, w13, w2, gates, expert_ids, dispatch, b13?, b2?, activation, checkpoint) -> (y, ab)
+    moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch, ab, b13?, b2?, ...) -> MoEGrads
+    moe_ffn(x, w13, w2, gates, expert_ids, ...) -> y       (custom_vjp of the two above)
+
+What the adapter does: no math. Shapes and dtypes are checked at trace time (ValueError / TypeError
+before anything is compiled); the values are checked by the core when the callback runs.
+
+Where the buffers go:
+- CPU buffers become NumPy views (``numpy.asarray`` on the buffer, zero-copy, bf16 as
+  ``ml_dtypes.bfloat16``) and run the core's NumPy reference path, which writes straight into the
+  XLA-owned outputs through ``out=``.
+- CUDA buffers become CuPy views (DLPack, bf16 relabelled as uint16 by ``blazecore.asarray``; the
+  raw ``__cuda_array_interface__`` pointer as a fallback). The core launches on XLA's stream
+  (``ctx.stream``), writing the outputs the core takes as ``out=`` (y, dx, dw13, dw2, dgates, gates,
+  ids, dlogits, losses) in place. The outputs the core has no ``out=`` for (the dispatch arrays, the
+  saved pre-activations ``ab``, db13, db2) are allocated by the core from CuPy's pool and copied into
+  the XLA buffers on the same stream (device-to-device, asynchronous); workspaces come from CuPy's
+  pool too, so set XLA_PYTHON_CLIENT_PREALLOCATE=false when the GPU path runs.
+
+Saved state: a custom_vjp residual must be arrays, so the FFN forward returns ``ab`` (the (L*K, R)
+pre-activations in x's dtype, expert-slot order, under checkpoint "ab"; a (0, R) placeholder under
+"none") and the backward rebuilds a ``blazecore.MoESaved`` from the residuals and calls
+``blazecore.moe_backward(..., retain=True)``: XLA's buffers are immutable inputs to the backward, so the
+core must not overwrite ``ab``.
+
+vmap: every callback declares ``vmap_method="sequential"`` (a batch of B runs the op B times, in a loop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import blazecore
+from blazecore import _array
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
+except ImportError as e:  # JAX < 0.6.1
+    raise ImportError("blazecore_jax needs jax.experimental.buffer_callback (JAX >= 0.6.1)") from e
+
+__all__ = [
+    "JaxDispatch",
+    "MoEGrads",
+    "build_dispatch",
+    "load_balancing_loss",
+    "moe_backward",
+    "moe_ffn",
+    "moe_forward",
+    "route_topk",
+    "router_z_loss",
+]
+
+VMAP_METHOD = "sequential"
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), _array.BF16)
+_INTS = (np.dtype(np.int32), np.dtype(np.int64))
+_kDLCUDA, _kDLCUDAManaged = 2, 13
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers: CPU -> NumPy views, CUDA -> CuPy views on XLA's stream
+# ---------------------------------------------------------------------------------------------
+
+
+def _buffer_on_gpu(buf) -> bool:
+    return int(buf.__dlpack_device__()[0]) in (_kDLCUDA, _kDLCUDAManaged)
+
+
+def _gpu_view(buf):
+    """Zero-copy CuPy view of an XLA CUDA buffer (bf16 as uint16, like every core GPU array)."""
+    try:
+        return _array.asarray(buf, "buffer")
+    except Exception:
+        import cupy
+
+        cai = buf.__cuda_array_interface__
+        dt = _array.storage_dtype(np.dtype(buf.dtype), True)
+        shape = tuple(int(s) for s in buf.shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        dev = int(buf.__dlpack_device__()[1])
+        mem = cupy.cuda.UnownedMemory(int(cai["data"][0]), nbytes, buf, dev)
+        return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
+
+
+class _Views:
+    """The callback's buffers as core arrays, and the ``stream=`` to pass the core (None on the CPU)."""
+
+    def __init__(self, gpu: bool, stream):
+        self.gpu = gpu
+        self.stream = stream
+
+    def __call__(self, buf):
+        if buf is None:
+            return None
+        return _gpu_view(buf) if self.gpu else np.asarray(buf)
+
+    def put(self, out_view, result) -> None:
+        """Copy a core result into an XLA output view unless the core already wrote it there."""
+        if result is None or out_view.size == 0:
+            return
+        src = _array.asarray(result, "result")
+        if self.gpu:
+            if src.data.ptr != out_view.data.ptr:
+                out_view[...] = src.view(out_view.dtype)  # async D2D on the current (XLA's) stream
+        elif src.ctypes.data != out_view.ctypes.data:
+            out_view[...] = src
+
+
+@contextlib.contextmanager
+def _scope(ctx, bufs):
+    """Decide CPU / GPU from the buffers; on the GPU make XLA's stream CuPy's current one."""
+    first = next(b for b in bufs if b is not None)
+    if not _buffer_on_gpu(first):
+        yield _Views(False, None)
+        return
+    import cupy
+
+    dev = int(first.__dlpack_device__()[1])
+    handle = int(ctx.stream)
+    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(handle, dev):
+        # allocations the core makes (workspaces, outputs it has no out= for) come from CuPy's pool
+        # on this stream; XLA's own buffers are only ever written through views
+        with blazecore.allocator(None):
+            yield _Views(True, handle)
+
+
+def _callback(fn, result_shapes):
+    return _buffer_callback(fn, result_shapes, vmap_method=VMAP_METHOD)
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), np.dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace-time checks (static shapes and dtypes only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype(a) -> np.dtype:
+    return np.dtype(a.dtype)
+
+
+def _dname(dt) -> str:
+    return _array.dtype_name(dt)
+
+
+def _check_float(a, name: str, allowed=_FLOATS) -> np.dtype:
+    dt = _dtype(a)
+    if dt not in allowed:
+        raise TypeError(f"{name}: dtype {_dname(dt)} not supported (expected one of "
+                        f"{', '.join(_dname(t) for t in allowed)})")
+    return dt
+
+
+def _check_ndim(a, name: str, ndim: int, what: str) -> None:
+    if len(a.shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim}-D {what}, got shape {tuple(a.shape)}")
+
+
+def _check_logits(logits, name="logits") -> tuple[int, int]:
+    _check_ndim(logits, name, 2, "(L, E) router logits")
+    _check_float(logits, name)
+    return int(logits.shape[0]), int(logits.shape[1])
+
+
+def _check_ids(ids, name: str, L: int) -> int:
+    _check_ndim(ids, name, 2, "(L, K) expert ids")
+    if _dtype(ids) not in _INTS:
+        raise TypeError(f"{name}: dtype {_dname(_dtype(ids))}, expected int32 or int64")
+    if int(ids.shape[0]) != L:
+        raise ValueError(f"{name} has {int(ids.shape[0])} rows, expected L = {L}")
+    return int(ids.shape[1])
+
+
+def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoint: str):
+    gated = blazecore.activation_info(activation)
+    if checkpoint not in blazecore.CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
+                         f"{', '.join(blazecore.CHECKPOINTS)})")
+    dt = _check_float(x, "x")
+    for name, a in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        if a is not None and _dtype(a) != dt:
+            raise TypeError(f"{name}: dtype {_dname(_dtype(a))} differs from x's {_dname(dt)} "
+                            "(x, w13, w2, b13 and b2 share one dtype)")
+    _check_float(gates, "gates", (np.dtype(np.float32),))
+    _check_ndim(x, "x", 2, "(L, d) tokens")
+    _check_ndim(w13, "w13", 3, "(E, 2h or h, d) weights")
+    _check_ndim(w2, "w2", 3, "(E, d, h) weights")
+    _check_ndim(gates, "gates", 2, "(L, K) gates")
+    L, d = (int(s) for s in x.shape)
+    E, R, d13 = (int(s) for s in w13.shape)
+    E2, d2, h = (int(s) for s in w2.shape)
+    if E2 != E:
+        raise ValueError(f"w2 has {E2} experts, w13 has {E}")
+    if d13 != d or d2 != d:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x's d = {d}")
+    if R != (2 * h if gated else h):
+        raise ValueError(f"w13 has {R} rows per expert; {activation} with w2's h = {h} needs "
+                         f"{2 * h if gated else h}")
+    if int(gates.shape[0]) != L:
+        raise ValueError(f"gates has {int(gates.shape[0])} rows, x has L = {L} tokens")
+    K = _check_ids(expert_ids, "expert_ids", L)
+    if int(gates.shape[1]) != K:
+        raise ValueError(f"expert_ids shape {tuple(expert_ids.shape)} differs from gates shape {tuple(gates.shape)}")
+    if not 1 <= K <= E:
+        raise ValueError(f"top_k K = {K} must be in [1, E = {E}]")
+    if b13 is not None and tuple(b13.shape) != (E, R):
+        raise ValueError(f"b13: expected shape {(E, R)}, got {tuple(b13.shape)}")
+    if b2 is not None and tuple(b2.shape) != (E, d):
+        raise ValueError(f"b2: expected shape {(E, d)}, got {tuple(b2.shape)}")
+    return L, d, E, R, h, K, dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+class JaxDispatch(NamedTuple):
+    """:class:`blazecore.Dispatch` as int32 JAX arrays: expert_offsets (E+1,), slot_token (L*K,),
+    slot_k (L*K,), pair_slot (L, K). Built by :func:`build_dispatch`; pass it to :func:`moe_ffn`."""
+
+    expert_offsets: jax.Array
+    slot_token: jax.Array
+    slot_k: jax.Array
+    pair_slot: jax.Array
+
+    def counts(self) -> jax.Array:
+        """Pairs per expert, (E,) int32."""
+        return self.expert_offsets[1:] - self.expert_offsets[:-1]
+
+
+def _build_dispatch_cb(ctx, outs, ids, *, num_experts: int, validate: bool):
+    with _scope(ctx, (ids,)) as v:
+        d = blazecore.build_dispatch(v(ids), num_experts, validate=validate, stream=v.stream)
+        for o, r in zip(outs, (d.expert_offsets, d.slot_token, d.slot_k, d.pair_slot), strict=True):
+            v.put(v(o), r)
+
+
+def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True) -> JaxDispatch:
+    """Dispatch of a routing (``blazecore.build_dispatch``), int32 arrays without gradient.
+
+    Args:
+        expert_ids: (L, K) int32 / int64, K distinct values in [0, num_experts) per row.
+        num_experts: E >= K.
+        validate: check the id values (on the GPU a device-to-host read that synchronises XLA's stream;
+            pass False for ids from :func:`route_topk`). The CPU always checks.
+    """
+    L, K = (int(s) for s in expert_ids.shape) if len(expert_ids.shape) == 2 else (0, 0)
+    _check_ids(expert_ids, "expert_ids", L)
+    E = int(num_experts)
+    if not 1 <= K <= E:
+        raise ValueError(f"top_k K = {K} must be in [1, num_experts = {E}]")
+    shapes = (_sds((E + 1,), np.int32), _sds((L * K,), np.int32), _sds((L * K,), np.int32),
+              _sds((L, K), np.int32))
+    cb = functools.partial(_build_dispatch_cb, num_experts=E, validate=bool(validate))
+    return JaxDispatch(*_callback(cb, shapes)(jax.lax.stop_gradient(expert_ids)))
+
+
+def _core_dispatch(v: _Views, offsets, slot_token, slot_k, pair_slot) -> blazecore.Dispatch:
+    L, K = (int(s) for s in pair_slot.shape)
+    return blazecore.Dispatch(v(offsets), v(slot_token), v(slot_k), v(pair_slot), L, K, int(offsets.shape[0]) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------
+
+
+def _route_fwd_cb(ctx, outs, logits, bias, *, top_k, score, renormalize):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.route_topk.route_topk(v(logits), top_k, score=score, renormalize=renormalize,
+                                        expert_bias=v(bias), out_gates=v(outs[0]), out_ids=v(outs[1]),
+                                        stream=v.stream)
+
+
+def _route_bwd_cb(ctx, outs, dgates, logits, ids, *, score, renormalize):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.route_topk_backward(v(dgates), v(logits), v(ids), score=score, renormalize=renormalize,
+                                      out=v(outs), stream=v.stream)
+
+
+def _route_call(logits, bias, top_k, score, renormalize):
+    L, _ = logits.shape
+    shapes = (_sds((L, top_k), np.float32), _sds((L, top_k), np.int32))
+    cb = functools.partial(_route_fwd_cb, top_k=top_k, score=score, renormalize=renormalize)
+    return tuple(_callback(cb, shapes)(logits, bias))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _route(logits, bias, top_k, score, renormalize):
+    return _route_call(logits, bias, top_k, score, renormalize)
+
+
+def _route_fwd(logits, bias, top_k, score, renormalize):
+    gates, ids = _route_call(logits, bias, top_k, score, renormalize)
+    return (gates, ids), (logits, ids, bias)
+
+
+def _route_bwd(top_k, score, renormalize, res, cts):
+    logits, ids, bias = res
+    dgates = cts[0]
+    cb = functools.partial(_route_bwd_cb, score=score, renormalize=renormalize)
+    dlogits = _callback(cb, _sds(logits.shape, logits.dtype))(dgates.astype(jnp.float32), logits, ids)
+    return dlogits, (None if bias is None else jnp.zeros_like(bias))
+
+
+_route.defvjp(_route_fwd, _route_bwd)
+
+
+def route_topk(logits, top_k: int, *, score: str = "softmax", renormalize: bool = True, expert_bias=None):
+    """Top-k routing (``blazecore.route_topk.route_topk``); differentiable w.r.t. the logits.
+
+    Args:
+        logits: (L, E) float32 / float16 / bfloat16.
+        top_k: K in [1, E].
+        score: "softmax" or "sigmoid".
+        renormalize: divide the selected scores by their sum.
+        expert_bias: optional (E,) selection-only bias, cast to float32; gets a zero gradient.
+
+    Returns:
+        (gates (L, K) float32, expert_ids (L, K) int32).
+    """
+    L, E = _check_logits(logits)
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= int(top_k) <= E:
+        raise ValueError(f"top_k = {top_k} must be in [1, E] with E = {E} experts")
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if expert_bias is not None:
+        if tuple(expert_bias.shape) != (E,):
+            raise ValueError(f"expert_bias: expected shape {(E,)}, got {tuple(expert_bias.shape)}")
+        expert_bias = jax.lax.stop_gradient(jnp.asarray(expert_bias, jnp.float32))
+    return _route(logits, expert_bias, int(top_k), score, bool(renormalize))
+
+
+def _lb_fwd_cb(ctx, out, logits, ids):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.load_balancing_loss(v(logits), v(ids), out=v(out), stream=v.stream)
+
+
+def _lb_bwd_cb(ctx, out, dloss, logits, ids):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.load_balancing_loss_backward(v(dloss), v(logits), v(ids), out=v(out), stream=v.stream)
+
+
+def _z_fwd_cb(ctx, out, logits):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.router_z_loss(v(logits), out=v(out), stream=v.stream)
+
+
+def _z_bwd_cb(ctx, out, dloss, logits):
+    with _scope(ctx, (logits,)) as v:
+        blazecore.router_z_loss_backward(v(dloss), v(logits), out=v(out), stream=v.stream)
+
+
+_LOSS = _sds((), np.float32)
+
+
+@jax.custom_vjp
+def _lb(logits, ids):
+    return _callback(_lb_fwd_cb, _LOSS)(logits, ids)
+
+
+def _lb_fwd(logits, ids):
+    return _lb(logits, ids), (logits, ids)
+
+
+def _lb_bwd(res, dloss):
+    logits, ids = res
+    d = _callback(_lb_bwd_cb, _sds(logits.shape, logits.dtype))(dloss.astype(jnp.float32), logits, ids)
+    return d, None
+
+
+_lb.defvjp(_lb_fwd, _lb_bwd)
+
+
+@jax.custom_vjp
+def _z(logits):
+    return _callback(_z_fwd_cb, _LOSS)(logits)
+
+
+def _z_fwd(logits):
+    return _z(logits), (logits,)
+
+
+def _z_bwd(res, dloss):
+    (logits,) = res
+    return (_callback(_z_bwd_cb, _sds(logits.shape, logits.dtype))(dloss.astype(jnp.float32), logits),)
+
+
+_z.defvjp(_z_fwd, _z_bwd)
+
+
+def load_balancing_loss(logits, expert_ids):
+    """Switch load-balancing loss E * sum_e f_e P_e, a 0-d float32, differentiable w.r.t. the logits."""
+    L, _ = _check_logits(logits)
+    _check_ids(expert_ids, "expert_ids", L)
+    return _lb(logits, jax.lax.stop_gradient(expert_ids))
+
+
+def router_z_loss(logits):
+    """Router z-loss mean_t logsumexp(logits_t)^2, a 0-d float32, differentiable w.r.t. the logits."""
+    _check_logits(logits)
+    return _z(logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert FFN
+# ---------------------------------------------------------------------------------------------
+
+
+class MoEGrads(NamedTuple):
+    """Gradients of :func:`moe_backward`: dx, dw13, dw2 (x's dtype), dgates float32, db13 / db2 or None."""
+
+    dx: jax.Array
+    dw13: jax.Array
+    dw2: jax.Array
+    dgates: jax.Array
+    db13: jax.Array | None
+    db2: jax.Array | None
+
+
+def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint):
+    y_out, ab_out = outs
+    with _scope(ctx, (x,)) as v:
+        y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
+                                         checkpoint=checkpoint, b13=v(b13), b2=v(b2),
+                                         dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream)
+        if checkpoint == "ab":
+            v.put(v(ab_out), saved.ab)
+
+
+def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, activation, checkpoint):
+    dx, dw13, dw2, dgates, db13, db2 = outs
+    with _scope(ctx, (x,)) as v:
+        saved = blazecore.MoESaved(v(x), v(w13), v(w2), v(gates), v(ids), _core_dispatch(v, *disp), activation,
+                                   checkpoint, v(b13), v(b2), v(ab) if checkpoint == "ab" else None)
+        g = blazecore.moe_backward(v(dy), saved, out_dx=v(dx), out_dw13=v(dw13), out_dw2=v(dw2),
+                                   out_dgates=v(dgates), stream=v.stream, retain=True)
+        if db13 is not None:
+            v.put(v(db13), g.db13)
+        if db2 is not None:
+            v.put(v(db2), g.db2)
+
+
+def moe_forward(x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, *, b13=None, b2=None,
+                activation: str = "swiglu", checkpoint: str = "ab"):
+    """Forward op (no gradient of its own; :func:`moe_ffn` is the differentiable entry point).
+
+    Returns (y (L, d) in x's dtype, ab): ab the (L*K, R) pre-activations in expert-slot order under
+    checkpoint "ab", a (0, R) placeholder under "none"; pass it to :func:`moe_backward`.
+    """
+    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+    _check_dispatch(dispatch, L, K, E)
+    shapes = (_sds((L, d), dt), _sds((L * K if checkpoint == "ab" else 0, R), dt))
+    cb = functools.partial(_ffn_fwd_cb, activation=activation, checkpoint=checkpoint)
+    y, ab = _callback(cb, shapes)(x, w13, w2, gates, expert_ids, tuple(dispatch), b13, b2)
+    return y, ab
+
+
+def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *, b13=None, b2=None,
+                 activation: str = "swiglu", checkpoint: str = "ab") -> MoEGrads:
+    """Backward op: gradients of sum(dy * y) from the forward's inputs and its ``ab``."""
+    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+    _check_dispatch(dispatch, L, K, E)
+    if tuple(dy.shape) != (L, d) or _dtype(dy) != dt:
+        raise ValueError(f"dy: expected ({L}, {d}) {_dname(dt)}, got {tuple(dy.shape)} {_dname(_dtype(dy))}")
+    want_ab = (L * K if checkpoint == "ab" else 0, R)
+    if tuple(ab.shape) != want_ab or _dtype(ab) != dt:
+        raise ValueError(f"ab: expected the forward's saved pre-activations, {want_ab} {_dname(dt)}; got "
+                         f"{tuple(ab.shape)} {_dname(_dtype(ab))}")
+    shapes = (_sds(x.shape, dt), _sds(w13.shape, dt), _sds(w2.shape, dt), _sds(gates.shape, np.float32),
+              None if b13 is None else _sds(b13.shape, dt), None if b2 is None else _sds(b2.shape, dt))
+    cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint)
+    out = _callback(cb, shapes)(dy, x, w13, w2, gates, expert_ids, tuple(dispatch), ab, b13, b2)
+    return MoEGrads(*out)
+
+
+def _check_dispatch(dispatch, L: int, K: int, E: int) -> None:
+    if not isinstance(dispatch, JaxDispatch):
+        raise TypeError(f"dispatch: expected a JaxDispatch (from build_dispatch), got {type(dispatch).__name__}")
+    want = {"expert_offsets": (E + 1,), "slot_token": (L * K,), "slot_k": (L * K,), "pair_slot": (L, K)}
+    for name, shape in want.items():
+        a = getattr(dispatch, name)
+        if tuple(a.shape) != shape or _dtype(a) != np.dtype(np.int32):
+            raise ValueError(f"dispatch.{name}: expected {shape} int32, got {tuple(a.shape)} {_dname(_dtype(a))} "
+                             "(was the dispatch built for other expert_ids or another number of experts?)")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _ffn(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint):
+    return moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation,
+                       checkpoint=checkpoint)[0]
+
+
+def _ffn_fwd(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint):
+    y, ab = moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation, checkpoint=checkpoint)
+    return y, (x, w13, w2, gates, ids, disp, ab, b13, b2)
+
+
+def _ffn_bwd(activation, checkpoint, res, dy):
+    x, w13, w2, gates, ids, disp, ab, b13, b2 = res
+    g = moe_backward(dy.astype(x.dtype), x, w13, w2, gates, ids, disp, ab, b13=b13, b2=b2, activation=activation,
+                     checkpoint=checkpoint)
+    return g.dx, g.dw13, g.dw2, g.dgates, None, None, g.db13, g.db2
+
+
+_ffn.defvjp(_ffn_fwd, _ffn_bwd)
+
+
+def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab", b13=None,
+            b2=None, dispatch: JaxDispatch | None = None):
+    """The expert FFNs and gate-weighted combine, differentiable w.r.t. x, w13, w2, gates, b13, b2.
+
+    Args:
+        x: (L, d) float32 / float16 / bfloat16.
+        w13: (E, 2h, d) for gated activations ([gate rows; up rows]), (E, h, d) otherwise; x's dtype.
+        w2: (E, d, h), x's dtype.
+        gates: (L, K) float32.
+        expert_ids: (L, K) int32 / int64, distinct per row, in [0, E).
+        activation: one of ``blazecore.ACTIVATIONS``.
+        checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute).
+        b13, b2: optional (E, R) and (E, d) biases, x's dtype.
+        dispatch: a :class:`JaxDispatch` of ``expert_ids``; built here (validating the ids) when None.
+
+    Returns:
+        y (L, d) in x's dtype.
+    """
+    _, _, E, _, _, _, _ = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+    expert_ids = jax.lax.stop_gradient(expert_ids)
+    if dispatch is None:
+        dispatch = build_dispatch(expert_ids, E)
+    dispatch = JaxDispatch(*(jax.lax.stop_gradient(a) for a in dispatch))
+    return _ffn(x, w13, w2, gates, expert_ids, dispatch, b13, b2, activation, checkpoint)
