@@ -313,6 +313,41 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+// Consumer mainloop shared by both kernels: for each k-tile, wait for its stage, order the cp.async writes
+// before the async-proxy reads, issue the tile's wgmmas (issue(stage byte offset >> 4, kt)), keep one wgmma
+// group in flight and release the previous stage to the producer. Ends with every group complete; an empty
+// reduction (num_kt == 0) leaves zero accumulators.
+template <int STAGES, int R, class F>
+__device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
+                                                  int t, int stage_bytes, F&& issue) {
+  int stage = 0, prev = 0;
+  unsigned phase = 0;
+  for (int kt = 0; kt < num_kt; ++kt) {
+    mbar_wait(full0 + 8 * stage, phase);
+#if !BLZ_SM90_PRODUCER_FENCE
+    fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
+#endif
+    fence_regs(acc);
+    wgmma_fence();
+    issue(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
+    wgmma_commit();
+    wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
+    fence_regs(acc);
+    if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+    prev = stage;
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+  fence_regs(acc);
+  if (num_kt == 0) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  }
+}
+
 }  // namespace sm90
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -473,36 +508,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
                                             : sm90::make_desc(sbase + C::A_BYTES, BK * ROW_BYTES, 1024);
     constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * ROW_BYTES) >> 4;  // k16 step, encoded
 
-    int stage = 0, prev = 0;
-    unsigned phase = 0;
-    for (int kt = 0; kt < num_kt; ++kt) {
-      sm90::mbar_wait(full0 + 8 * stage, phase);
-#if !BLZ_SM90_PRODUCER_FENCE
-      sm90::fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
-#endif
-      sm90::fence_regs(acc);
-      sm90::wgmma_fence();
-      const unsigned long long soff = static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4;
+    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES,
+                                    [&](unsigned long long soff, int kt) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
                                                            (kt | ks) != 0);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
-      sm90::fence_regs(acc);
-      if (kt > 0 && (t & 31) == 0) sm90::mbar_arrive(empty0 + 8 * prev);
-      prev = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_regs(acc);
-    if (num_kt == 0) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    }
+    });
 
     // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) ----------------------
     const int srow0 = m0 + cw * 64;  // slot of warpgroup row 0
@@ -788,36 +800,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
     constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
 
-    int stage = 0, prev = 0;
-    unsigned phase = 0;
-    for (int kt = 0; kt < num_kt; ++kt) {
-      sm90::mbar_wait(full0 + 8 * stage, phase);
-#if !BLZ_SM90_PRODUCER_FENCE
-      sm90::fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
-#endif
-      sm90::fence_regs(acc);
-      sm90::wgmma_fence();
-      const unsigned long long soff = static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4;
+    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES,
+                                    [&](unsigned long long soff, int kt) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                (kt | ks) != 0);
-      sm90::wgmma_commit();
-      sm90::wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
-      sm90::fence_regs(acc);
-      if (kt > 0 && (t & 31) == 0) sm90::mbar_arrive(empty0 + 8 * prev);
-      prev = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_regs(acc);
-    if (num_kt == 0) {  // expert without slots: its gradient is zero
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    }
+    });  // an expert without slots leaves zero accumulators: its gradient is zero
 
     T* oe = out + (long long)e * o_estride;
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
