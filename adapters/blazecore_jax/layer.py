@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import blazecore
+from blazecore.layer import compose_moe_layer
 
 from . import ops
 
@@ -78,14 +79,7 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
     shape = x.shape
     tokens = x.reshape(-1, d)
     logits = tokens @ router.T
-    gates, ids = ops.route_topk(logits, top_k, score=score, renormalize=renormalize, expert_bias=expert_bias)
-    # ids come from route_topk (in range, distinct): no validation read on the GPU
-    dispatch = ops.build_dispatch(ids, E, validate=False)
-    y = ops.moe_ffn(tokens, w13, w2, gates, ids, activation=activation, checkpoint=checkpoint, dispatch=dispatch)
-    aux = {
-        "load_balancing_loss": ops.load_balancing_loss(logits, ids),
-        "z_loss": ops.router_z_loss(logits),
-        "router_logits": logits,
-        "tokens_per_expert": dispatch.counts(),
-    }
+    y, aux = compose_moe_layer(ops, tokens, logits, w13, w2, top_k=top_k, num_experts=E, score=score,
+                               renormalize=renormalize, expert_bias=expert_bias, activation=activation,
+                               checkpoint=checkpoint)
     return y.reshape(shape), aux

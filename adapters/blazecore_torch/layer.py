@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import blazecore
+from blazecore.layer import compose_moe_layer
 
 from . import ops
 
@@ -92,18 +93,10 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
         logits = self.router(tokens)
-        gates, ids = ops.route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize,
-                                    expert_bias=self.expert_bias)
-        # ids come from route_topk (in range, distinct): no validation read
-        dispatch = ops.build_dispatch(ids, self.num_experts, validate=False)
-        y = ops.moe_ffn(tokens, self.gate_up_proj, self.down_proj, gates, ids, activation=self.activation,
-                        checkpoint=self.checkpoint, dispatch=dispatch)
-        aux = {
-            "load_balancing_loss": ops.load_balancing_loss(logits, ids),
-            "z_loss": ops.router_z_loss(logits),
-            "router_logits": logits,
-            "tokens_per_expert": dispatch.counts(),
-        }
+        y, aux = compose_moe_layer(ops, tokens, logits, self.gate_up_proj, self.down_proj, top_k=self.top_k,
+                                   num_experts=self.num_experts, score=self.score, renormalize=self.renormalize,
+                                   expert_bias=self.expert_bias, activation=self.activation,
+                                   checkpoint=self.checkpoint)
         return y.reshape(shape), aux
 
     @torch.no_grad()
