@@ -180,6 +180,20 @@ __device__ __forceinline__ float group_reduce(float v, float* scratch, Op op) {
   return v;
 }
 
+// Softmax statistics of a row held VPT values a thread (padding = -inf): returns the row max m and
+// sum s = sum_j exp(x_j - m), replacing x[j] by exp(x[j] - m). Group-uniform (every thread gets m and s).
+template <int WARPS, int VPT>
+__device__ __forceinline__ void softmax_exp_stats(float (&x)[VPT], float* red, float& m, float& s) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) mx = fmaxf(mx, x[j]);
+  m = group_reduce<WARPS>(mx, red, OpMax());
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) { x[j] = expf(x[j] - m); sum += x[j]; }
+  s = group_reduce<WARPS>(sum, red, OpSum());
+}
+
 // Orders every other thread's global writes of this group before the calling thread's next ones.
 template <int WARPS> __device__ __forceinline__ void group_sync() {
   if constexpr (WARPS == 1) __syncwarp();
@@ -365,14 +379,7 @@ __global__ void __launch_bounds__(router_threads(WARPS), 1) route_topk_bwd(
   float m = 0.f, s = 1.f, c = 0.f, msel = 0.f, ssel = 1.f;
   if (dense) {
     load_row<T, WARPS, VPT>(xr, E, t, vec, neg_inf(), y);
-    float mx = neg_inf();
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) mx = fmaxf(mx, y[j]);
-    m = group_reduce<WARPS>(mx, red, OpMax());
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) { y[j] = expf(y[j] - m); sum += y[j]; }
-    s = group_reduce<WARPS>(sum, red, OpSum());
+    softmax_exp_stats<WARPS>(y, red, m, s);
     float cp = 0.f;
     for (int k = t; k < K; k += NT) {
       const int e = ir[k];
@@ -463,14 +470,8 @@ __global__ void __launch_bounds__(router_threads(WARPS), 1) router_aux_partial(
     for (long long r = r0 + g; r < r1; r += GROUPS) {  // group-uniform trip count: barriers stay matched
       float x[VPT];
       load_row<T, WARPS, VPT>(logits + r * E, E, t, vec, neg_inf(), x);
-      float mx = neg_inf();
-#pragma unroll
-      for (int j = 0; j < VPT; ++j) mx = fmaxf(mx, x[j]);
-      const float m = group_reduce<WARPS>(mx, red, OpMax());
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < VPT; ++j) { x[j] = expf(x[j] - m); sum += x[j]; }
-      const float s = group_reduce<WARPS>(sum, red, OpSum());
+      float m, s;
+      softmax_exp_stats<WARPS>(x, red, m, s);
       const float lse = m + logf(s);
       zacc += lse * lse;
 #pragma unroll
@@ -605,14 +606,8 @@ __global__ void __launch_bounds__(router_threads(WARPS), 1) router_aux_bwd(
 
   float x[VPT];
   load_row<T, WARPS, VPT>(logits + row * E, E, t, vec, neg_inf(), x);
-  float mx = neg_inf();
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) mx = fmaxf(mx, x[j]);
-  const float m = group_reduce<WARPS>(mx, red, OpMax());
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) { x[j] = expf(x[j] - m); sum += x[j]; }
-  const float s = group_reduce<WARPS>(sum, red, OpSum());
+  float m, s;
+  softmax_exp_stats<WARPS>(x, red, m, s);
 #pragma unroll
   for (int j = 0; j < VPT; ++j) x[j] /= s;  // p
 
