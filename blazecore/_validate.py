@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._array import dtype_name, is_gpu, logical_dtype
+from ._array import BF16, dtype_name, is_gpu, logical_dtype
 
 INT32_MAX = 2**31 - 1
 
@@ -64,3 +64,62 @@ def same_device(arrays: dict) -> bool:
 def check_int32_range(n: int, what: str) -> None:
     if n > INT32_MAX:
         raise ValueError(f"{what} = {n} exceeds the int32 range these kernels index with (2**31 - 1)")
+
+
+def count_nonfinite(arr) -> int:
+    """Number of NaN / +-inf elements of a float array (numpy, or cupy with bf16 held as uint16).
+
+    On the GPU this is one reduction on the current stream and one host read of its result, which
+    synchronises the stream: callers run it only when asked (``check_finite=True``).
+    """
+    dt = logical_dtype(arr)
+    if arr.size == 0:
+        return 0
+    if not is_gpu(arr):
+        return int(arr.size - np.count_nonzero(np.isfinite(arr)))
+    import cupy
+
+    if dt == BF16:
+        # bf16 bits: exponent field 0x7F80 all ones means inf (mantissa 0) or NaN
+        return int(_bf16_nonfinite_count()(arr))
+    if np.dtype(dt).kind != "f":
+        raise TypeError(f"count_nonfinite: expected a float array, got {dtype_name(dt)}")
+    return int(cupy.count_nonzero(~cupy.isfinite(arr)))
+
+
+_bf16_kernel = None
+
+
+def _bf16_nonfinite_count():
+    global _bf16_kernel
+    if _bf16_kernel is None:
+        import cupy
+
+        _bf16_kernel = cupy.ReductionKernel("uint16 x", "int64 n", "(x & 0x7F80) == 0x7F80 ? 1 : 0", "a + b",
+                                            "n = a", "0", "blazecore_bf16_nonfinite")
+    return _bf16_kernel
+
+
+def check_finite(arr, name: str) -> None:
+    """Raise FloatingPointError if ``arr`` (a float intake view) holds NaN or +-inf, naming it and the count."""
+    n = count_nonfinite(arr)
+    if n:
+        raise FloatingPointError(f"{name}: {n} non-finite value{'s' if n != 1 else ''} (NaN or inf) "
+                                 f"of {int(arr.size)}")
+
+
+def check_finite_arrays(arrays: dict, stream=None) -> None:
+    """:func:`check_finite` on each array of ``{name: array or None}`` (the GPU ones on ``stream``'s device and
+    stream, one host read each), in order, before an op writes anything."""
+    from ._array import current_stream
+
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if not is_gpu(a):
+            check_finite(a, name)
+            continue
+        import cupy
+
+        with cupy.cuda.Device(a.device.id), current_stream(stream):
+            check_finite(a, name)

@@ -272,7 +272,7 @@ def _intake_backward(dy, saved):
 
 
 def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab",
-                b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None):
+                b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False):
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
@@ -293,6 +293,10 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         out: optional (L, d) C-contiguous output buffer in x's dtype on x's device.
         stream: cupy Stream or raw ``cudaStream_t`` int for CUDA inputs (default: cupy's current
             stream); every allocation and launch goes on it. Must be None for CPU inputs.
+        check_finite: first count the NaN / inf values of x, w13, w2, gates, b13 and b2 and raise
+            FloatingPointError naming the first array that has any and its count, before anything is
+            written. Off by default: on the GPU each array costs a reduction and a host read (a stream
+            synchronisation), which would also break CUDA-graph capture.
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -304,9 +308,12 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         ValueError: inconsistent shapes, K > E, L*K >= 2**31, arrays not C-contiguous or on
             different devices, an unknown activation or policy, a dispatch that does not match the
             inputs, bad id values (when the dispatch is built here, or always on the CPU).
+        FloatingPointError: (check_finite=True) an input holds NaN or inf.
     """
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
+    if check_finite:
+        _validate.check_finite_arrays({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2}, stream)
     if gpu:
         return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream)
     if stream is not None:
@@ -315,7 +322,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
 
 
 def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=None, out_dgates=None,
-                 stream=None, retain: bool = False) -> MoEGrads:
+                 stream=None, retain: bool = False, check_finite: bool = False) -> MoEGrads:
     """Backward of :func:`moe_forward`: gradients of sum(dy * y) w.r.t. x, the weights, gates, biases.
 
     Args:
@@ -326,6 +333,8 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
         out_dw2: optional (E, d, h) buffer, the weights' dtype.
         out_dgates: optional (L, K) float32 buffer.
         stream: as in :func:`moe_forward`.
+        check_finite: first check dy for NaN / inf and raise FloatingPointError with their count,
+            before anything is written (off by default: a reduction and a host read on the GPU).
         retain: keep ``saved`` usable for another backward. By default (False) the GPU backward of
             policy "ab" writes the activation gradient over the saved pre-activations (one (L*K, R)
             buffer less at the peak, like a framework freeing saved tensors after the backward) and
@@ -340,11 +349,14 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
         TypeError: ``saved`` not a MoESaved, dy or an out buffer of the wrong dtype.
         ValueError: dy or an out buffer of the wrong shape, device or layout.
         RuntimeError: ``saved`` was consumed by an earlier backward without ``retain=True``.
+        FloatingPointError: (check_finite=True) dy holds NaN or inf.
     """
     if isinstance(saved, MoESaved) and saved.consumed:
         raise RuntimeError("this MoESaved was consumed by an earlier moe_backward (its saved pre-activations "
                            "were overwritten); pass retain=True to the first backward to run another")
     dy, gpu = _intake_backward(dy, saved)
+    if check_finite:
+        _validate.check_finite_arrays({"dy": dy}, stream)
     if gpu:
         return _backward_gpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain)
     if stream is not None:

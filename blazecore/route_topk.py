@@ -355,7 +355,7 @@ def launch_router_aux_bwd(logits, f, d_lb, d_lb_value: float, d_z, d_z_value: fl
 
 
 def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=None, out_gates=None,
-               out_ids=None, stream=None):
+               out_ids=None, stream=None, check_finite: bool = False):
     """Top-k routing of L tokens over E experts, fused in one kernel.
 
     Args:
@@ -368,6 +368,9 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
             unbiased scores), on the same device as the logits.
         out_gates, out_ids: optional (L, K) float32 / int32 C-contiguous buffers to write.
         stream: CuPy stream or raw handle for the GPU path (default: CuPy's current stream).
+        check_finite: first count the NaN / inf values of the logits (and the bias) and raise
+            FloatingPointError naming the array and the count, before anything is written. Off by default:
+            on the GPU it is one reduction and one host read, which synchronises the stream.
 
     Returns:
         (gates, expert_ids): (L, K) float32 and (L, K) int32 on the logits' device; row t lists its experts
@@ -386,6 +389,8 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
     gates = _array.out_or_empty(out_gates, (L, K), np.float32, gpu, "out_gates")
     ids = _array.out_or_empty(out_ids, (L, K), np.int32, gpu, "out_ids")
     _check_out_device({**arrays, "out_gates": gates.view, "out_ids": ids.view})
+    if check_finite:
+        _validate.check_finite_arrays(arrays, stream)
     if gpu:
         launch_route_topk_fwd(x, bias, gates.view, ids.view, K, score_id, renormalize, stream)
     else:
