@@ -55,7 +55,8 @@ def _variants(ct, act):
 
 def _module_names(ct, act):
     names = [_gemm_name(ct, *v) for v in _variants(ct, act).values()]
-    names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>"]
+    names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
+              "blz::moe_block_starts", "blz::moe_mark_seen"]
     return names
 
 
@@ -141,7 +142,8 @@ def _ptr(a):
 
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
-                 gates=None, topk=1, part=None, part_ld=0, flags=0):
+                 gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
+                 carry_seen=None):
     fn, smem, threads, _ = kern.gemm(which)
     fn(
         (int(grid),), (threads,),
@@ -151,7 +153,7 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
             np.int32(E), np.int32(M), np.int32(N), np.int32(Kd),
             out, np.int64(ldo), np.int64(o_estride), _ptr(out2), np.int64(ldo2), _ptr(aux), np.int64(ldaux),
             _ptr(bias), np.int64(bias_estride), _ptr(gates), np.int32(topk), _ptr(part), np.int32(part_ld),
-            np.int32(flags),
+            np.int32(flags), _ptr(kblocks), np.int32(num_kblocks), _ptr(carry), _ptr(carry_seen),
         ),
         shared_mem=smem, stream=stream,
     )
@@ -193,18 +195,31 @@ def _dims(x, w13, w2, gates):
     return L, d, E, h, K, L * K, w13.shape[1], logical_dtype(x)
 
 
-def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream):
-    """y = combine_k g * expert(x); returns (z_user or None, extra) where z is the saved pre-activations."""
+def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream):
+    """y = combine_k g * expert(x), chunk by chunk; returns (z_user or None, extra).
+
+    ``chunks`` lists (t0, t1, dispatch of expert_ids[t0:t1]) covering [0, L) in order. The transients (hcur and
+    o, (Lc*K, h) and (Lc*K, d)) are allocated per chunk and freed before the next one, so the forward's peak
+    scales with the largest chunk. z (checkpoint "ab") is one (L*K, H2) buffer: rows [t0*K, t1*K) hold chunk
+    (t0, t1)'s pre-activations in that chunk's expert-slot order.
+    """
     stream = _array.current_stream(stream)
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+    z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
     if L == 0:
-        z = _array.empty_gpu((0, H2), dt) if checkpoint == "ab" else None
         return (z.user if z is not None else None), {}
     kern = _Kernels(dt, activation)
+    for t0, t1, disp in chunks:
+        zc = z.view[t0 * K:t1 * K] if z is not None else None
+        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, activation, b13, b2, y[t0:t1], zc, stream)
+    return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
+
+
+def _forward_chunk(kern, x, w13, w2, gates, disp, activation, b13, b2, y, z, stream):
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     hbuf = _array.empty_gpu((LK, h), dt).view
-    z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
-    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z.view if z else None, stream)
+    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z, stream)
     obuf = _array.empty_gpu((LK, d), dt).view
     _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", d)), stream, A=hbuf, lda=h, B=w2, ldb=h,
                  b_estride=d * h,
@@ -213,19 +228,48 @@ def forward(x, w13, w2, gates, disp, activation, checkpoint, b13, b2, y, stream)
     del hbuf
     kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (obuf, disp.pair_slot, np.int32(K), np.int32(d), y),
                                             stream=stream)
-    return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
-def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):
+class _Carry:
+    """fp32 partial sums of the weight and bias gradients between the chunks of one backward.
+
+    Each K-grouped CTA owns a private (128 x BN) slice of its gradient's carry; ``seen[e]`` records whether
+    expert e had a slot in an earlier chunk (so its carried sums hold a value; an expert's first slots
+    start a fresh sum, as in the unchunked run).
+    """
+
+    def __init__(self, kern, E, d, h, H2, db13, db2):
+        self.grid13 = E * -(-H2 // BM) * kern.tiles_n("dw13", d)
+        self.grid2 = E * -(-h // BM) * kern.tiles_n("dw2", d) if kern.sm90 else E * -(-d // BM) * kern.tiles_n("dw2", h)
+        bn = kern.gemm("dw13")[3]
+        self.dw13 = _array.empty_gpu((self.grid13 * BM * bn,), np.float32).view
+        self.dw2 = _array.empty_gpu((self.grid2 * BM * bn,), np.float32).view
+        self.db13 = None if db13 is None else _array.empty_gpu(db13.shape, np.float32).view
+        self.db2 = None if db2 is None else _array.empty_gpu(db2.shape, np.float32).view
+        self.seen = _array.empty_gpu((E,), np.int32).view
+        self.seen.fill(0)
+
+
+def carry_bytes(sm90: bool, E: int, d: int, h: int, H2: int, bias13: bool, bias2: bool) -> int:
+    """Bytes of :class:`_Carry` (the memory model's term for chunked backward), without building kernels."""
+    bn = BN90 if sm90 else BN
+    t = lambda n, w: -(-n // w)  # noqa: E731
+    g13 = E * t(H2, BM) * t(d, bn)
+    g2 = E * t(h, BM) * t(d, bn) if sm90 else E * t(d, BM) * t(h, bn)
+    return 4 * ((g13 + g2) * BM * bn + (E * H2 if bias13 else 0) + (E * d if bias2 else 0) + E)
+
+
+def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):
     """Fill dx (L, d), dw13 (E, H2, d), dw2 (E, d, h), dgates (L, K) and the bias grads from dy (L, d).
 
-    dz is written over z (each element is read by the thread that then overwrites it): always when z is
-    recomputed (checkpoint "none"), and over the saved pre-activations when ``reuse_saved`` (which leaves
-    ``saved.ab`` holding dz afterwards). That saves one (L*K, H2) buffer at the backward's peak.
+    ``chunks`` as in :func:`forward` (the same chunks). dz is written over z (each element is read by the thread
+    that then overwrites it): always when z is recomputed (checkpoint "none"), and over the saved pre-activations
+    when ``reuse_saved`` (which leaves ``saved.ab`` holding dz afterwards). That saves one (L*K, H2) buffer at the
+    backward's peak. With several chunks the weight and bias gradients carry fp32 partial sums from chunk to
+    chunk (see :class:`_Carry` and KTileWalk in moe_common.cuh): the result has the unchunked run's bits.
     """
     stream = _array.current_stream(stream)
-    x, w13, w2, gates, disp = saved.x, saved.w13, saved.w2, saved.gates, saved.dispatch
-    activation = saved.activation
+    x, w13, w2, gates = saved.x, saved.w13, saved.w2, saved.gates
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
     if L == 0:
         dw13.fill(0)
@@ -234,16 +278,42 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved
             if b is not None:
                 b.fill(0)
         return
-    kern = _Kernels(dt, activation)
-    tile_offsets = _tile_offsets(kern, disp, E, stream)
+    kern = _Kernels(dt, saved.activation)
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
+    carry = _Carry(kern, E, d, h, H2, db13, db2) if len(chunks) > 1 else None
+    for i, (t0, t1, disp) in enumerate(chunks):
+        zc = z[t0 * K:t1 * K] if z is not None else None
+        flags = (1 if i > 0 else 0) | (2 if i + 1 < len(chunks) else 0)
+        _backward_chunk(kern, saved, dy[t0:t1], x[t0:t1], gates[t0:t1], disp, zc, reuse_saved, block_tokens,
+                        dx[t0:t1], dw13, dw2, dgates[t0:t1], db13, db2, carry, flags, stream)
+
+
+def _block_starts(kern, disp, E, L, block_tokens, stream):
+    """(table, nb) for KTileWalk: the first slot of each (expert, token block); (None, 0) for one block."""
+    nb = -(-L // block_tokens)
+    if nb <= 1:
+        return None, 0
+    blk = _array.empty_gpu((E * nb,), np.int32).view
+    kern.fn("blz::moe_block_starts")((-(-(E * nb) // 256),), (256,),
+                                     (disp.expert_offsets, disp.slot_token, np.int32(E), np.int32(nb),
+                                      np.int32(block_tokens), blk), stream=stream)
+    return blk, nb
+
+
+def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_tokens, dx, dw13, dw2, dgates, db13,
+                    db2, carry, flags, stream):
+    w13, w2 = saved.w13, saved.w2
+    activation = saved.activation
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+    tile_offsets = _tile_offsets(kern, disp, E, stream)
     in_place = reuse_saved
     if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations into a transient
         z = _array.empty_gpu((LK, H2), dt).view
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, activation, None, z, stream)
         in_place = True
+    ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen}
 
     # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur
     tiles_nh = kern.tiles_n("dhcur", h)
@@ -263,30 +333,36 @@ def backward(dy, saved, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved
         stream=stream,
     )
     del part
+    blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
     # dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order
     if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
         _launch_gemm(kern, "dw2", E * -(-h // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=h, B=dy, ldb=d,
                      b_estride=0, disp=disp, tile_offsets=None, E=E, M=h, N=d, Kd=0, out=dw2, ldo=h,
-                     o_estride=d * h)
+                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
     else:
         _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=hg, ldb=h,
                      b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h,
-                     o_estride=d * h)
+                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
     del hg
     # dw13_e = dz^T x_g
     _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
                  b_estride=0,
-                 disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d, o_estride=H2 * d)
+                 disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d, o_estride=H2 * d,
+                 kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
+    cin, cout = np.int32(flags & 1), np.int32((flags >> 1) & 1)
     if db13 is not None:
         kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
             (-(-H2 // 128), E), (128,),
             (dz, np.int64(H2), np.int32(H2), disp.expert_offsets, disp.slot_token, disp.slot_k, _NULL,
-             np.int32(K), np.int32(0), db13), stream=stream)
+             np.int32(K), np.int32(0), db13, _ptr(carry and carry.db13), cin, cout), stream=stream)
     if db2 is not None:
         kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
             (-(-d // 128), E), (128,),
             (dy, np.int64(d), np.int32(d), disp.expert_offsets, disp.slot_token, disp.slot_k, gates,
-             np.int32(K), np.int32(1), db2), stream=stream)
+             np.int32(K), np.int32(1), db2, _ptr(carry and carry.db2), cin, cout), stream=stream)
+    if carry is not None and flags & 2:  # a later chunk continues the sums of this chunk's experts
+        kern.fn("blz::moe_mark_seen")((-(-E // 256),), (256,), (disp.expert_offsets, np.int32(E), carry.seen),
+                                      stream=stream)
     # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine
     dxs = _array.empty_gpu((LK, d), dt).view
     _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", d)), stream, A=dz, lda=H2, B=w13, ldb=d,

@@ -32,6 +32,8 @@ from .dispatch import Dispatch, build_dispatch
 _GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False}
 ACTIVATIONS = tuple(_GATED)
 CHECKPOINTS = ("ab", "none")
+# Token-block size of the weight-gradient reductions (see chunk_bounds): chunks start on these boundaries.
+BLOCK_TOKENS = 16384
 _FLOAT_TYPES = (np.float32, np.float16, _array.BF16)
 
 
@@ -61,6 +63,29 @@ def moe_flops(L: int, d: int, h: int, K: int, activation: str = "swiglu") -> int
     return per_slot * int(L) * int(K) * int(d) * int(h)
 
 
+def chunk_bounds(L: int, chunks: int, block_tokens: int = BLOCK_TOKENS) -> list[tuple[int, int]]:
+    """The token ranges [t0, t1) that ``chunks`` chunks of L tokens run as (at most ``chunks`` of them).
+
+    Chunks are equal runs of tokens except the last, each a multiple of ``block_tokens`` long: the weight-
+    gradient reductions restart their tiles at every multiple of ``block_tokens`` (chunked or not), so a chunk
+    boundary never splits a tile and chunked gradients are bit-identical to unchunked ones. Hence fewer chunks
+    than asked when L / chunks < block_tokens (L <= block_tokens: one chunk).
+    """
+    L, chunks, block_tokens = int(L), int(chunks), int(block_tokens)
+    if chunks <= 1 or L <= block_tokens:
+        return [(0, L)]
+    per = -(-L // chunks)
+    per = -(-per // block_tokens) * block_tokens
+    return [(t0, min(t0 + per, L)) for t0 in range(0, L, per)]
+
+
+def _check_chunking(chunks, block_tokens) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+
+
 class MoEGrads(NamedTuple):
     """Gradients of the layer. dx (L, d) in x's dtype; dw13 (E, R, d), dw2 (E, d, h), db13 (E, R),
     db2 (E, d) in the weights' dtype (db13 / db2 are None without the bias); dgates (L, K) float32."""
@@ -80,7 +105,10 @@ class MoESaved:
     The arrays are the intake views of the forward's inputs (cupy on the GPU, numpy on the CPU):
     they must not be modified before the backward. ``ab`` holds the pre-activations, (L*K, R) in x's
     dtype, in expert-slot order, under policy "ab" (None under "none"). ``extra`` is private to the
-    GPU path (workspaces or tensors its kernels keep between forward and backward).
+    GPU path (workspaces or tensors its kernels keep between forward and backward). ``chunks`` and
+    ``block_tokens`` are the forward's token chunking (the backward runs the same chunks); with several
+    chunks ``ab``'s rows [t0*K, t1*K) hold chunk [t0, t1)'s pre-activations in its own expert-slot order,
+    ``chunk_dispatches`` the dispatch of each chunk, and ``dispatch`` the caller's dispatch (or None).
     """
 
     x: Any
@@ -88,7 +116,7 @@ class MoESaved:
     w2: Any
     gates: Any
     expert_ids: Any
-    dispatch: Dispatch
+    dispatch: Dispatch | None
     activation: str
     checkpoint: str
     b13: Any = None
@@ -96,13 +124,17 @@ class MoESaved:
     ab: Any = None
     extra: dict = field(default_factory=dict)
     consumed: bool = False  # a backward without retain=True used ``ab`` as scratch
+    chunks: int = 1
+    block_tokens: int = BLOCK_TOKENS
+    chunk_dispatches: tuple = ()
 
     def held_bytes(self) -> int:
         """Bytes this record keeps alive beyond the layer's inputs: the dispatch, ``ab`` and ``extra``.
 
         An array reachable twice (``ab`` and a view of it in ``extra``) counts once.
         """
-        held = [getattr(self.dispatch, f.name) for f in fields(self.dispatch)]
+        held = [getattr(dp, f.name) for dp in (self.dispatch, *self.chunk_dispatches) if dp is not None
+                for f in fields(dp)]
         held += [self.ab, *self.extra.values()]
         seen = {}
         for a in held:
@@ -272,7 +304,8 @@ def _intake_backward(dy, saved):
 
 
 def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab",
-                b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False):
+                b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False,
+                chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None):
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
@@ -297,6 +330,14 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             FloatingPointError naming the first array that has any and its count, before anything is
             written. Off by default: on the GPU each array costs a reduction and a host read (a stream
             synchronisation), which would also break CUDA-graph capture.
+        chunks: run the tokens in this many chunks (forward and backward), so the transient buffers scale
+            with L / chunks; outputs and gradients have the same bits as ``chunks=1``. Chunk boundaries are
+            multiples of ``block_tokens`` (see :func:`chunk_bounds`), so fewer chunks may run. "auto": the
+            smallest count whose predicted peak fits ``memory_budget`` (:func:`blazecore.memory.plan_chunks`).
+        block_tokens: token-block size of the weight-gradient reductions (tests use small ones; gradients
+            depend on it in the last bits, so runs compared bit for bit must share it).
+        memory_budget: for ``chunks="auto"``: bytes, or a fraction in (0, 1] of the device's free memory
+            (default 0.9 of it); the CPU path always runs one chunk for "auto".
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -314,11 +355,24 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
     if check_finite:
         _validate.check_finite_arrays({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2}, stream)
+    if isinstance(chunks, str) and chunks == "auto":
+        _check_chunking(1, block_tokens)
+        if gpu:
+            from .memory import plan_chunks
+
+            chunks = plan_chunks(sz.L, sz.d, sz.h, sz.E, sz.K, dtype=sz.dtype, activation=activation,
+                                 checkpoint=checkpoint, budget=memory_budget, bias=(b13 is not None, b2 is not None),
+                                 block_tokens=block_tokens, device=x.device.id).chunks
+        else:
+            chunks = 1
+    _check_chunking(chunks, block_tokens)
+    chunking = (int(chunks), int(block_tokens))
     if gpu:
-        return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream)
+        return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream,
+                            chunking)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
-    return _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out)
+    return _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking)
 
 
 def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=None, out_dgates=None,
@@ -388,7 +442,9 @@ def _user(o):
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out):
+def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, chunking):
+    # The float64 reference runs all tokens at once whatever the chunking (chunks shape the GPU's memory use
+    # only; the reference has no transient it could bound); ``ab`` keeps the GPU path's layout per chunk.
     from .reference import moe as ref
 
     y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, False, "out")
@@ -403,9 +459,14 @@ def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkp
         # held like the GPU path holds it (same shape, dtype, slot order) so held bytes compare;
         # the CPU backward recomputes in float64 from x, so both policies give identical gradients
         z = ref.moe_preact_ref(x, w13, ids, b13).reshape(sz.L * sz.K, sz.R)
-        pair = dispatch.slot_token.astype(np.int64) * sz.K + dispatch.slot_k
+        parts = []
+        for t0, t1 in chunk_bounds(sz.L, *chunking):
+            dc = dispatch if (t0, t1) == (0, sz.L) else build_dispatch(ids[t0:t1], sz.E)
+            parts.append(t0 * sz.K + dc.slot_token.astype(np.int64) * sz.K + dc.slot_k)
+        pair = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         ab = np.ascontiguousarray(z[pair].astype(sz.dtype))
-    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab)
+    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab,
+                     chunks=chunking[0], block_tokens=chunking[1])
     return y.user, saved
 
 
@@ -426,7 +487,17 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream):
+def _chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
+    """The dispatch of each chunk's ids (GPU; the ids were validated already unless ``validate``)."""
+    if validate and bounds:
+        from .dispatch import _validate_gpu
+
+        _validate_gpu(ids.device.id, ids, E, s)
+    return tuple(build_dispatch(ids[t0:t1], E, validate=False, stream=s) for t0, t1 in bounds)
+
+
+def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream,
+                 chunking):
     import cupy
 
     dev = x.device.id
@@ -438,18 +509,26 @@ def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkp
             from . import _moe_gpu
 
             _moe_gpu.check_shapes(x, w13, w2, activation)  # the kernels' own limits (row alignment)
-            if dispatch is None:
-                dispatch = build_dispatch(ids, sz.E, stream=s)
-            else:
+            bounds = chunk_bounds(sz.L, *chunking)
+            if dispatch is not None:
                 _check_dispatch(dispatch, sz.L, sz.K, sz.E, True, dev)
+            if len(bounds) > 1:
+                chunk_disp = _chunk_dispatches(ids, sz.E, bounds, s, validate=dispatch is None)
+            else:
+                if dispatch is None:
+                    dispatch = build_dispatch(ids, sz.E, stream=s)
+                chunk_disp = (dispatch,)
             if sz.L == 0:
                 # nothing to compute; a zero-sized grid would be a launch error
                 ab = _array.empty_gpu((0, sz.R), sz.dtype).user if checkpoint == "ab" else None
                 extra = {}
             else:
-                ab, extra = _moe_gpu.forward(x, w13, w2, gates, dispatch, activation, checkpoint, b13, b2,
+                chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
+                ab, extra = _moe_gpu.forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2,
                                              y.view, s)
-    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}))
+    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
+                     chunks=chunking[0], block_tokens=chunking[1],
+                     chunk_dispatches=chunk_disp if len(bounds) > 1 else ())
     return y.user, saved
 
 
@@ -471,7 +550,15 @@ def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, st
                 from . import _moe_gpu
 
                 reuse = not retain and saved.ab is not None
-                _moe_gpu.backward(dy, saved, dx.view, dw13.view, dw2.view, dgates.view,
+                bounds = chunk_bounds(int(saved.x.shape[0]), saved.chunks, saved.block_tokens)
+                disps = saved.chunk_dispatches
+                if len(bounds) == 1 and saved.dispatch is not None:
+                    disps = (saved.dispatch,)
+                if len(disps) != len(bounds):  # e.g. a MoESaved rebuilt by an adapter from the full dispatch
+                    disps = _chunk_dispatches(saved.expert_ids, int(saved.w13.shape[0]), bounds, s, validate=False)
+                chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, disps, strict=True)]
+                _moe_gpu.backward(dy, saved, chunk_list, saved.block_tokens, dx.view, dw13.view, dw2.view,
+                                  dgates.view,
                                   None if db13 is None else db13.view, None if db2 is None else db2.view, s,
                                   reuse_saved=reuse)
                 saved.consumed = reuse
@@ -480,10 +567,12 @@ def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, st
 
 __all__ = [
     "ACTIVATIONS",
+    "BLOCK_TOKENS",
     "CHECKPOINTS",
     "MoEGrads",
     "MoESaved",
     "activation_info",
+    "chunk_bounds",
     "moe_backward",
     "moe_flops",
     "moe_forward",

@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,        // (L, K) gates, gate(s) = gates[slot_token[s]*K + slot_k[s]]
     float* __restrict__ part, int part_ld,            // (L*K, tiles_n) dgates partial sums
-    int flags) {
+    int flags,
+    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
+    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
   using TL = Tile<T>;
   constexpr int BK = TL::BK, EPC = TL::EPC, PAD = TL::PAD;
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
@@ -84,8 +86,10 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     slot_lo = __ldg(offsets + e);
     slot_hi = __ldg(offsets + e + 1);
   }
-  const int kd_len = (MODE == MODE_M) ? Kd : (slot_hi - slot_lo);
-  const int num_kt = (kd_len + BK - 1) / BK;
+  const int num_kt = (MODE == MODE_M) ? (Kd + BK - 1) / BK
+                                      : ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_hi);
+  // MODE_K: the reduction tiles, in order; load_stage is called once per k-tile in increasing kt
+  KTileWalk<BK> kwalk(kblocks, e, MODE == MODE_K ? num_kblocks : 0, slot_lo, slot_hi);
 
   // ---- producer: one pipeline stage ----------------------------------------------------------------
   const T* Be = B + ((MODE == MODE_M) ? (long long)e * b_estride : 0);
@@ -134,21 +138,23 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
         }
       }
     } else {
-      // MODE_K: rows are the expert's slots, gathered for x / dy
+      // MODE_K: rows are the slots of the current reduction tile [t0, tend), gathered for x / dy
       constexpr int CPRA = BM / EPC, CPRB = BN / EPC;
+      const int t0 = kwalk.t0, tend = kwalk.end();
+      kwalk.next();
 #pragma unroll
       for (int c = tid; c < BK * CPRA; c += NTHREADS) {
         const int r = c / CPRA, cc = c % CPRA;
-        const int s = slot_lo + k0 + r, m = m0 + cc * EPC;
-        const bool ok = (s < slot_hi) && (m < M);
+        const int s = t0 + r, m = m0 + cc * EPC;
+        const bool ok = (s < tend) && (m < M);
         const long long row = ok ? (A_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
         cp_async16(as + r * (BM + PAD) + cc * EPC, A + row * lda + (ok ? m : 0), ok ? 16 : 0);
       }
 #pragma unroll
       for (int c = tid; c < BK * CPRB; c += NTHREADS) {
         const int r = c / CPRB, cc = c % CPRB;
-        const int s = slot_lo + k0 + r, n = tn * BN + cc * EPC;
-        const bool ok = (s < slot_hi) && (n < N);
+        const int s = t0 + r, n = tn * BN + cc * EPC;
+        const bool ok = (s < tend) && (n < N);
         const long long row = ok ? (B_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
         cp_async16(bs + r * (BN + PAD) + cc * EPC, B + row * ldb + (ok ? n : 0), ok ? 16 : 0);
       }
@@ -171,6 +177,18 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
+  // K-grouped with flags & 1: continue the partial sums an earlier launch left in carry (chunked execution)
+  constexpr int ACC_N = MF * NF * 4;
+  const bool carry_in = MODE == MODE_K && (flags & 1) && (carry_seen == nullptr || __ldg(carry_seen + e));
+  if (carry_in) {
+    const float* cb = carry + (long long)blockIdx.x * ACC_N * NTHREADS + tid;
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][j][v] = cb[((i * NF + j) * 4 + v) * NTHREADS];
+  }
 
   // ---- mainloop ------------------------------------------------------------------------------------
 #pragma unroll
@@ -251,6 +269,16 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 
   // ---- epilogues -----------------------------------------------------------------------------------
   if constexpr (EPI == EPI_WGRAD) {
+    if (flags & 2) {  // partial sums for a later launch, in this CTA's private fp32 slice of carry
+      float* cb = carry + (long long)blockIdx.x * ACC_N * NTHREADS + tid;
+#pragma unroll
+      for (int i = 0; i < MF; ++i)
+#pragma unroll
+        for (int j = 0; j < NF; ++j)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) cb[((i * NF + j) * 4 + v) * NTHREADS] = acc[i][j][v];
+      return;
+    }
     T* oe = out + (long long)e * o_estride;
 #pragma unroll
     for (int i = 0; i < MF; ++i)
@@ -431,22 +459,54 @@ __global__ void __launch_bounds__(256) moe_dgates(const float* __restrict__ part
 
 // out[e, c] = sum_{s in expert e, in order} scale(s) * src[row(s), c]: bias gradients, deterministic.
 // row(s) = slot_token[s] when gathering (dy), else s (dz); scale(s) = gate of s when gates != nullptr.
+// Chunked execution: carry_in continues the fp32 sums of earlier chunks from carry (E, cols), carry_out
+// leaves them there instead of writing out; the slot order (and so every rounding) is the unchunked one.
 template <typename T>
 __global__ void __launch_bounds__(128) moe_bias_grad(const T* __restrict__ src, long long ld, int cols,
                                                       const int* __restrict__ offsets, const int* __restrict__ slot_token,
                                                       const int* __restrict__ slot_k, const float* __restrict__ gates,
-                                                      int topk, int gather, T* __restrict__ out) {
+                                                      int topk, int gather, T* __restrict__ out,
+                                                      float* __restrict__ carry, int carry_in, int carry_out) {
   const int e = blockIdx.y;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   const int lo = offsets[e], hi = offsets[e + 1];
-  float acc = 0.f;
+  const long long o = (long long)e * cols + c;
+  float acc = carry_in ? carry[o] : 0.f;
   for (int s = lo; s < hi; ++s) {
     const long long row = gather ? (long long)slot_token[s] : (long long)s;
     const float sc = gates ? gates[(long long)slot_token[s] * topk + slot_k[s]] : 1.f;
     acc += sc * to_f<T>(src[row * ld + c]);
   }
-  out[(long long)e * cols + c] = from_f<T>(acc);
+  if (carry_out) {
+    carry[o] = acc;
+  } else {
+    out[o] = from_f<T>(acc);
+  }
+}
+
+// blk[e * nb + b] = the first slot of expert e whose token is >= b * block_tokens (an expert's slots are in
+// token order), b in [0, nb): the token blocks of KTileWalk. One thread per (e, b), binary search.
+__global__ void __launch_bounds__(256) moe_block_starts(const int* __restrict__ offsets,
+                                                         const int* __restrict__ slot_token, int num_experts, int nb,
+                                                         int block_tokens, int* __restrict__ blk) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)num_experts * nb) return;
+  const int e = static_cast<int>(i / nb), b = static_cast<int>(i % nb);
+  const long long tok = (long long)b * block_tokens;
+  int lo = offsets[e], hi = offsets[e + 1];
+  while (lo < hi) {
+    const int mid = lo + ((hi - lo) >> 1);
+    if (slot_token[mid] < tok) lo = mid + 1; else hi = mid;
+  }
+  blk[i] = lo;
+}
+
+// seen[e] |= (expert e has a slot in this chunk): which experts' carried weight-gradient sums hold a value.
+__global__ void __launch_bounds__(256) moe_mark_seen(const int* __restrict__ offsets, int num_experts,
+                                                      int* __restrict__ seen) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < num_experts && offsets[e + 1] > offsets[e]) seen[e] = 1;
 }
 
 }  // namespace blz

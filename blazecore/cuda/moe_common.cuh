@@ -134,6 +134,49 @@ __device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, 
   return lo;
 }
 
+// ---- reduction tiles of the K-grouped (weight-gradient) GEMMs ---------------------------------------
+// An expert's slots [lo, hi) are in token order. Tokens are grouped in blocks of a fixed size; blk[e * nb + b]
+// is the first slot of expert e in token block b (b < nb, blk[e * nb] = lo), and block b ends where block
+// b + 1 starts (the last at hi). The reduction walks each block's slots in tiles of BK that restart at the
+// block's first slot, in block order. A run over a token range that starts on a block boundary therefore
+// visits exactly the tiles (same slots, same zero padding, same order) that the run over all tokens visits
+// there, which is what makes chunked weight gradients bit-identical to unchunked ones. nb <= 1: one block,
+// blk unused.
+template <int BK> struct KTileWalk {
+  const int* bs;
+  int nb, hi, b, t0, bend;  // current tile [t0, end()) of block b, which ends at bend
+  __device__ __forceinline__ KTileWalk(const int* blk, int e, int nblocks, int lo, int hi_)
+      : bs(nblocks > 1 ? blk + (long long)e * nblocks : nullptr), nb(nblocks > 1 ? nblocks : 1), hi(hi_), b(0),
+        t0(lo), bend(nblocks > 1 ? __ldg(bs + 1) : hi_) {
+    skip_empty();
+  }
+  __device__ __forceinline__ int end() const { return min(t0 + BK, bend); }
+  __device__ __forceinline__ void next() {
+    t0 = end();
+    skip_empty();
+  }
+  __device__ __forceinline__ void skip_empty() {
+    while (t0 >= bend && b + 1 < nb) {
+      ++b;
+      t0 = __ldg(bs + b);
+      bend = (b + 1 < nb) ? __ldg(bs + b + 1) : hi;
+    }
+  }
+};
+
+// Number of tiles KTileWalk visits for expert e.
+template <int BK>
+__device__ __forceinline__ int ktile_count(const int* blk, int e, int nblocks, int lo, int hi) {
+  if (nblocks <= 1) return (hi - lo + BK - 1) / BK;
+  const int* bs = blk + (long long)e * nblocks;
+  int n = 0;
+  for (int b = 0; b < nblocks; ++b) {
+    const int end = (b + 1 < nblocks) ? __ldg(bs + b + 1) : hi;
+    n += (end - __ldg(bs + b) + BK - 1) / BK;
+  }
+  return n;
+}
+
 // ---- epilogue math shared by the mma.sync and wgmma GEMMs ------------------------------------------
 // Each call handles one accumulator pair: row (slot) s, adjacent output columns n, n+1.
 

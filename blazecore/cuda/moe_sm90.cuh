@@ -316,10 +316,10 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
 // Consumer mainloop shared by both kernels: for each k-tile, wait for its stage, order the cp.async writes
 // before the async-proxy reads, issue the tile's wgmmas (issue(stage byte offset >> 4, kt)), keep one wgmma
 // group in flight and release the previous stage to the producer. Ends with every group complete; an empty
-// reduction (num_kt == 0) leaves zero accumulators.
+// reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
 template <int STAGES, int R, class F>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
-                                                  int t, int stage_bytes, F&& issue) {
+                                                  int t, int stage_bytes, F&& issue, bool keep_acc = false) {
   int stage = 0, prev = 0;
   unsigned phase = 0;
   for (int kt = 0; kt < num_kt; ++kt) {
@@ -342,7 +342,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  if (num_kt == 0) {
+  if (num_kt == 0 && !keep_acc) {
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.f;
   }
@@ -369,7 +369,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,
     float* __restrict__ part, int part_ld,
-    int flags) {
+    int flags,
+    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
+    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
@@ -686,7 +688,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,
     float* __restrict__ part, int part_ld,
-    int flags) {
+    int flags,
+    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
+    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
@@ -711,7 +715,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   const int m0 = (rt / tiles_n) * BM, n0 = (rt % tiles_n) * BN;
   const int slot_lo = __ldg(offsets + e);
   const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
-  const int num_kt = (cnt + BK - 1) / BK;
+  const int num_kt = ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);  // tiles of KTileWalk
 
   if (tid == 0) {
 #pragma unroll
@@ -737,23 +741,25 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
     const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
     const unsigned b_dst = static_cast<unsigned>((cb >> 3) * ATOM_BYTES + ((cb & 7) << 4));
-    // gather index of k-row rw + lane % 16 of k-tile kt (-1 past the expert's slots)
-    auto gather_row = [&](int kt) -> int {
-      const int s = kt * BK + rw + (lane & 15);
-      return s < cnt ? __ldg(slot_token + slot_lo + s) : -1;
+    // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
+    KTileWalk<BK> walk(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);
+    auto gather_row = [&](int t0, int tend) -> int {
+      const int s = t0 + rw + (lane & 15);
+      return s < tend ? __ldg(slot_token + s) : -1;
     };
-    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(0) : -1;
+    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
 
     int stage = 0;
     unsigned phase = 0;
     for (int kt = 0; kt < num_kt; ++kt) {
       const int tok = tok_next;
+      const int t0 = walk.t0, tend = walk.end();
+      walk.next();
       if constexpr (A_GATHER || B_GATHER) {
-        if (kt + 1 < num_kt) tok_next = gather_row(kt + 1);  // prefetch one k-tile ahead
+        if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
       }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
-      const int k0 = kt * BK;
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPA; ++i) {
         const int rl = RPA * i + ra;  // k-row within the warp's 16
@@ -762,7 +768,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         if constexpr (A_GATHER) {
           row = __shfl_sync(0xffffffffu, tok, rl);
         } else {
-          row = (k0 + r < cnt) ? slot_lo + k0 + r : -1;
+          row = (t0 + r < tend) ? t0 + r : -1;
         }
         const bool ok = a_cok && row >= 0;
         sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
@@ -776,7 +782,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         if constexpr (B_GATHER) {
           row = __shfl_sync(0xffffffffu, tok, rl);
         } else {
-          row = (k0 + r < cnt) ? slot_lo + k0 + r : -1;
+          row = (t0 + r < tend) ? t0 + r : -1;
         }
         const bool ok = b_cok && row >= 0;
         sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
@@ -795,6 +801,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
     const int t = tid & 127;
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
+    // flags & 1: continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts that
+    // had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1).
+    const int ct = tid - 128;
+    float* cslice = carry + (long long)bid * (BN / 2) * 256 + ct;  // this thread's column of the CTA's slice
+    const bool carry_in = (flags & 1) && __ldg(carry_seen + e) != 0;
+    if (carry_in) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
+    }
 
     const unsigned long long da0 = sm90::make_desc(sbase + cw * ATOM_BYTES, ATOM_BYTES, 1024);
     const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
@@ -805,8 +820,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
-                                               (kt | ks) != 0);
-    });  // an expert without slots leaves zero accumulators: its gradient is zero
+                                               carry_in || (kt | ks) != 0);
+    }, carry_in);  // an expert without slots leaves zero accumulators (or the carried sums)
+    if (flags & 2) {  // partial sums for the next chunk's launch instead of the gradient
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
+      return;
+    }
 
     T* oe = out + (long long)e * o_estride;
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
@@ -835,7 +855,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         sm90::st_shared_u16(sbase + toff(c + 1, m), sm90::pack1<T>(v1));
       });
       sm90::consumer_bar_sync();
-      const int ct = tid - 128;  // 0..255 over both consumer warpgroups
+      // ct: 0..255 over both consumer warpgroups
       const int co = ct % TCPR, ro = ct / TCPR;  // chunk of m; first staged row n
 #pragma unroll 1
       for (int nr = ro; nr < BN; nr += 256 / TCPR) {

@@ -1,0 +1,308 @@
+"""Token chunking, the memory model and the chunk planner (blazecore.memory, moe_forward(chunks=...)).
+
+GPU tests check that chunked forward + backward gives the same bytes as the unchunked run (every output and
+gradient, both policies, with and without biases, on routings where some experts only appear in later chunks),
+that both match the float64 reference, and that the memory model predicts the peak a counting allocator sees.
+CPU tests cover chunk_bounds, the model's structure and the planner's choice against a brute-force search.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import assert_close, to_backend, to_numpy
+
+import blazecore
+from blazecore import BF16, memory, moe
+from blazecore.reference import moe as ref
+
+GRAD_KEYS = ("dx", "dw13", "dw2", "dgates", "db13", "db2")
+DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
+TOL = {"f32": 1e-5, "bf16": 1e-2}
+
+
+def _routing(rng, L, E, K, kind):
+    if kind == "random":
+        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
+    elif kind == "late":
+        # the first half of the tokens only use experts [0, K); the rest use all: experts >= K have no slot in
+        # the first chunks, so their weight gradients start in a later chunk
+        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
+        ids[: L // 2] = np.argsort(rng.random((L // 2, K)), axis=1)
+    elif kind == "skewed":
+        keys = -1.5 * np.log(np.arange(1, E + 1)) + rng.gumbel(size=(L, E))
+        ids = np.argsort(-keys, axis=1)[:, :K]
+    elif kind == "same":
+        ids = np.tile(rng.permutation(E)[:K], (L, 1))
+    else:
+        raise ValueError(kind)
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def _make(seed, L, d, h, E, K, dname, activation, bias, routing):
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dname]
+    R = 2 * h if moe.activation_info(activation) else h
+    g = rng.random((L, K)) + 0.1
+    return {
+        "x": rng.standard_normal((L, d)).astype(dt),
+        "w13": (rng.standard_normal((E, R, d)) / math.sqrt(d)).astype(dt),
+        "w2": (rng.standard_normal((E, d, h)) / math.sqrt(h)).astype(dt),
+        "b13": (0.1 * rng.standard_normal((E, R))).astype(dt) if bias else None,
+        "b2": (0.1 * rng.standard_normal((E, d))).astype(dt) if bias else None,
+        "gates": (g / g.sum(axis=1, keepdims=True)).astype(np.float32),
+        "ids": _routing(rng, L, E, K, routing),
+        "dy": rng.standard_normal((L, d)).astype(dt),
+    }
+
+
+def _run(dev, activation, checkpoint, retain=False, **kw):
+    y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], activation=activation,
+                               checkpoint=checkpoint, b13=dev["b13"], b2=dev["b2"], **kw)
+    grads = moe.moe_backward(dev["dy"], saved, retain=retain)
+    return y, saved, grads
+
+
+def _bytes(a):
+    return b"" if a is None else np.ascontiguousarray(to_numpy(a)).tobytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# chunk_bounds
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L", [0, 1, 7, 16, 17, 100, 1000, 4096])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("block", [1, 16, 100])
+def test_chunk_bounds(L, chunks, block):
+    b = moe.chunk_bounds(L, chunks, block)
+    assert b[0][0] == 0 and b[-1][1] == L
+    assert all(t1 == n0 for (_, t1), (n0, _) in zip(b, b[1:], strict=False)), "chunks must tile [0, L)"
+    assert len(b) <= max(1, chunks)
+    assert all(t0 % block == 0 for t0, _ in b), "chunks start on block boundaries"
+    assert all(t1 > t0 for t0, t1 in b) or L == 0
+    if len(b) > 1:
+        sizes = [t1 - t0 for t0, t1 in b]
+        assert len(set(sizes[:-1])) == 1 and sizes[-1] <= sizes[0]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "two", True, None])
+def test_bad_chunks(bad):
+    inp = _make(0, 8, 16, 8, 4, 2, "f32", "swiglu", False, "random")
+    with pytest.raises(ValueError, match="chunks"):
+        moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], chunks=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.0])
+def test_bad_block_tokens(bad):
+    inp = _make(0, 8, 16, 8, 4, 2, "f32", "swiglu", False, "random")
+    with pytest.raises(ValueError, match="block_tokens"):
+        moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], chunks=2, block_tokens=bad)
+
+
+def test_cpu_chunked_matches_unchunked_and_ab_layout():
+    """The CPU path accepts chunking (same results) and lays ``ab`` out chunk by chunk like the GPU path."""
+    inp = _make(1, 50, 16, 8, 6, 2, "f32", "swiglu", True, "late")
+    y1, s1, g1 = _run(inp, "swiglu", "ab")
+    y2, s2, g2 = _run(inp, "swiglu", "ab", chunks=3, block_tokens=8)
+    assert _bytes(y1) == _bytes(y2)
+    for k in GRAD_KEYS:
+        assert _bytes(getattr(g1, k)) == _bytes(getattr(g2, k)), k
+    z = ref.moe_preact_ref(inp["x"], inp["w13"], inp["ids"], inp["b13"])  # (L, K, R)
+    for i, (t0, t1) in enumerate(moe.chunk_bounds(50, 3, 8)):
+        dc = blazecore.build_dispatch(inp["ids"][t0:t1], 6)
+        want = z[t0 + dc.slot_token, dc.slot_k].astype(np.float32)
+        np.testing.assert_array_equal(s2.ab[t0 * 2:t1 * 2], want, err_msg=f"chunk {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory model and planner (CPU: pure arithmetic)
+# ---------------------------------------------------------------------------------------------
+
+OLMOE = dict(d=2048, h=1024, E=64, K=8)
+
+
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+def test_model_terms(checkpoint):
+    """Closed-form check of the unchunked model for a shape whose buffers are all 512-byte multiples."""
+    L, (d, h, E, K) = 4096, OLMOE.values()
+    est = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint)
+    b, LK = 2, L * K
+    z = LK * 2 * h * b if checkpoint == "ab" else 0
+    disp = 512 + 3 * 4 * LK
+    fwd = L * d * b + disp + z + 512 + LK * h * b + LK * d * b
+    grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
+    zc = LK * 2 * h * b if checkpoint == "none" else 0
+    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * h * b + 4 * LK * 4, LK * d * b)
+    assert est.held_bytes == disp + z
+    assert est.forward_peak_bytes >= fwd  # + the dispatch build's transient workspace
+    assert est.forward_peak_bytes - fwd <= 4 * (64 * E + E) + 512
+    assert est.peak_bytes == max(fwd, bwd) or abs(est.peak_bytes - max(fwd, bwd)) <= 4 * (64 * E + E) + 512
+
+
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+def test_model_chunking_shrinks_transients(checkpoint):
+    L = 1 << 20
+    peaks = [memory.moe_memory(L, **OLMOE, checkpoint=checkpoint, chunks=c).peak_bytes for c in (1, 2, 4, 8, 16)]
+    assert all(a > b for a, b in zip(peaks, peaks[1:], strict=False)), peaks
+    held = {memory.moe_memory(L, **OLMOE, checkpoint=checkpoint, chunks=c).held_bytes for c in (1, 4, 16)}
+    assert max(held) - min(held) <= 16 * 4096, "held bytes do not depend on chunking (up to dispatch rounding)"
+
+
+def test_model_held_matches_cpu_saved():
+    inp = _make(2, 300, 32, 16, 8, 2, "f32", "swiglu", False, "random")
+    for ck in ("ab", "none"):
+        _, saved = moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], checkpoint=ck)
+        est = memory.moe_memory(300, 32, 16, 8, 2, dtype="float32", checkpoint=ck, sm90=False)
+        assert abs(est.held_bytes - saved.held_bytes()) <= 4 * 512, (ck, est.held_bytes, saved.held_bytes())
+
+
+@pytest.mark.parametrize("checkpoint", ["ab", "none", None])
+@pytest.mark.parametrize("budget_gib", [4, 12, 30, 80, 1000])
+def test_planner_smallest_fitting(checkpoint, budget_gib):
+    L, budget = 1 << 20, budget_gib << 30
+    plan = memory.plan_chunks(L, **OLMOE, checkpoint=checkpoint, budget=budget)
+    pols = ("ab", "none") if checkpoint is None else (checkpoint,)
+    # brute force: the first (policy, chunk count) in preference order whose peak fits
+    want = None
+    for pol in pols:
+        for c in range(1, L // moe.BLOCK_TOKENS + 1):
+            if memory.moe_memory(L, **OLMOE, checkpoint=pol, chunks=c).peak_bytes <= budget:
+                want = (pol, len(moe.chunk_bounds(L, c)))
+                break
+        if want:
+            break
+    if want is None:
+        assert not plan.fits
+    else:
+        assert plan.fits and plan.estimate.peak_bytes <= budget
+        assert (plan.checkpoint, plan.estimate.chunks) == want
+
+
+def test_planner_budget_errors():
+    with pytest.raises(ValueError, match="fraction"):
+        memory.plan_chunks(1024, 64, 32, 4, 2, budget=1.5)
+    with pytest.raises(TypeError, match="budget"):
+        memory.plan_chunks(1024, 64, 32, 4, 2, budget="lots")
+    with pytest.raises(ValueError, match=">= 0"):
+        memory.plan_chunks(1024, 64, 32, 4, 2, budget=-1)
+    with pytest.raises(ValueError, match="checkpoint"):
+        memory.moe_memory(1024, 64, 32, 4, 2, checkpoint="all")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bit-identical chunking, and the model against a counting allocator
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    # (L, d, h, E, K, routing, block, chunks)
+    (300, 64, 48, 8, 2, "late", 32, 3),
+    (300, 64, 48, 8, 2, "skewed", 64, 2),
+    (257, 40, 24, 5, 3, "random", 16, 7),
+    (200, 32, 16, 4, 1, "same", 32, 4),
+    (130, 32, 16, 16, 16, "random", 16, 5),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sm90", [pytest.param(True, id="sm90"), pytest.param(False, id="mmasync")])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[5]}-L{c[0]}-c{c[7]}" for c in GPU_CASES])
+def test_chunked_bit_identical_gpu(case, dname, activation, checkpoint, bias, sm90, monkeypatch):
+    L, d, h, E, K, routing, block, chunks = case
+    if not sm90 and dname == "f32":
+        pytest.skip("fp32 always runs the mma.sync kernels")
+    monkeypatch.setenv("BLAZECORE_SM90", "1" if sm90 else "0")
+    inp = _make(hash(case) & 0xFFFF, L, d, h, E, K, dname, activation, bias, routing)
+    dev = {k: None if v is None else to_backend(v, "gpu") for k, v in inp.items()}
+    assert len(moe.chunk_bounds(L, chunks, block)) > 1
+    y1, _, g1 = _run(dev, activation, checkpoint, block_tokens=block)
+    y2, s2, g2 = _run(dev, activation, checkpoint, block_tokens=block, chunks=chunks)
+    assert len(s2.chunk_dispatches) == len(moe.chunk_bounds(L, chunks, block))
+    assert _bytes(y1) == _bytes(y2), "y differs between chunked and unchunked runs"
+    for k in GRAD_KEYS:
+        assert _bytes(getattr(g1, k)) == _bytes(getattr(g2, k)), f"{k} differs between chunked and unchunked runs"
+    # and both are right (blocked reductions included: L > block)
+    y_ref = ref.moe_forward_ref(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
+                                inp["b13"], inp["b2"])
+    g_ref = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
+                                 inp["b13"], inp["b2"])
+    assert_close(y2, y_ref, TOL[dname], "y")
+    for k in GRAD_KEYS:
+        if g_ref[k] is not None:
+            assert_close(getattr(g2, k), g_ref[k], TOL[dname], k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+def test_chunked_retain_and_rebuilt_saved_gpu(checkpoint):
+    """retain=True (dz beside the saved z) twice, and a MoESaved rebuilt without its chunk dispatches (as the
+    adapters do): same bytes as the unchunked run."""
+    inp = _make(5, 333, 64, 32, 8, 2, "bf16", "swiglu", True, "late")
+    dev = {k: None if v is None else to_backend(v, "gpu") for k, v in inp.items()}
+    _, _, g1 = _run(dev, "swiglu", checkpoint, block_tokens=32)
+    y2, s2 = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], checkpoint=checkpoint,
+                             b13=dev["b13"], b2=dev["b2"], chunks=4, block_tokens=32)
+    ga = moe.moe_backward(dev["dy"], s2, retain=True)
+    gb = moe.moe_backward(dev["dy"], s2, retain=True)
+    rebuilt = moe.MoESaved(s2.x, s2.w13, s2.w2, s2.gates, s2.expert_ids, None, "swiglu", checkpoint, s2.b13, s2.b2,
+                           s2.ab, chunks=4, block_tokens=32)
+    gc = moe.moe_backward(dev["dy"], rebuilt, retain=True)
+    for k in GRAD_KEYS:
+        want = _bytes(getattr(g1, k))
+        for name, g in (("retain 1", ga), ("retain 2", gb), ("rebuilt", gc)):
+            assert _bytes(getattr(g, k)) == want, f"{name}: {k}"
+
+
+class _CountingAllocator:
+    """A cupy-backed allocator (float32 / int32 here) that counts live and peak bytes, rounded to 512 like the
+    caching allocators."""
+
+    def __init__(self):
+        self.cur = self.peak = 0
+
+    def __call__(self, shape, dtype_name):
+        import weakref
+
+        import cupy
+
+        a = cupy.empty(shape, dtype=np.dtype(dtype_name))
+        n = -(-a.nbytes // 512) * 512
+        self.cur += n
+        self.peak = max(self.peak, self.cur)
+        weakref.finalize(a, self._release, n)
+        return a
+
+    def _release(self, n):
+        self.cur -= n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+def test_memory_model_matches_allocations_gpu(checkpoint, chunks):
+    """Predicted peak and held bytes within 10% of what a counting allocator sees (f32: cupy arrays)."""
+    import gc
+
+    L, d, h, E, K = 8192, 256, 128, 16, 4
+    inp = _make(7, L, d, h, E, K, "f32", "swiglu", False, "random")
+    dev = {k: None if v is None else to_backend(v, "gpu") for k, v in inp.items()}
+    counter = _CountingAllocator()
+    gc.collect()
+    with blazecore.allocator(counter):
+        y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], checkpoint=checkpoint,
+                                   chunks=chunks, block_tokens=1024)
+        held = counter.cur - -(-L * d * 4 // 512) * 512  # live after the forward, less y
+        grads = moe.moe_backward(dev["dy"], saved)
+        peak = counter.peak
+    del grads, y, saved
+    est = memory.moe_memory(L, d, h, E, K, dtype="float32", checkpoint=checkpoint, chunks=chunks, block_tokens=1024,
+                            sm90=False)
+    assert abs(est.peak_bytes - peak) <= 0.1 * peak, (est, peak)
+    assert abs(est.held_bytes - held) <= 0.1 * max(held, 1) + 4096, (est, held)
