@@ -84,3 +84,34 @@ def assert_close(actual, expected, rtol_norm, name="output"):
             f"{name}: relative norm error {rel:.3e} > {rtol_norm:.1e}; max abs error {diff.max():.3e} at {idx} "
             f"(got {a[idx]}, expected {e[idx]})"
         )
+
+
+ROUTINGS = ("uniform", "zipf", "all_to_one", "empty_experts", "k_eq_e")
+
+
+def make_routing(rng, L: int, E: int, K: int, kind: str, dtype=np.int32) -> np.ndarray:
+    """(L, K) expert ids, K distinct experts per row in random column order, for a routing ``kind``:
+
+    uniform: every expert equally likely. zipf: expert weights (rank + 1)**-1.5 over a random ranking of the
+    experts (a few hot ones, a long cold tail). all_to_one: one expert (random) in every row, the other K - 1
+    uniform (K = 1: every token on that expert). empty_experts: only max(K, E // 4) experts (random) are used.
+    k_eq_e: every row a permutation of all experts (needs K == E).
+    """
+    if kind == "k_eq_e" and K != E:
+        raise ValueError(f"k_eq_e needs K == E, got K={K}, E={E}")
+    if L == 0:
+        return np.zeros((0, K), dtype=dtype)
+    with np.errstate(divide="ignore"):
+        logw = np.zeros(E)
+        if kind == "zipf":
+            logw = -1.5 * np.log1p(rng.permutation(E).astype(np.float64))
+        elif kind == "empty_experts":
+            logw = np.full(E, -np.inf)
+            logw[rng.permutation(E)[: max(K, E // 4)]] = 0.0
+        elif kind not in ROUTINGS:
+            raise ValueError(kind)
+    keys = logw[None, :] + rng.gumbel(size=(L, E))  # Gumbel top-k: K distinct draws without replacement
+    if kind == "all_to_one":
+        keys[:, rng.integers(E)] = np.inf
+    ids = np.argpartition(-keys, K - 1, axis=1)[:, :K]
+    return np.ascontiguousarray(rng.permuted(ids, axis=1).astype(dtype))
