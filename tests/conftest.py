@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -20,7 +21,18 @@ def gpu_available() -> bool:
         return False
 
 
+def large_selected(config) -> bool:
+    """Tests marked ``large`` (tens of GB, 2**31-element tensors) run only when asked for: BLAZECORE_LARGE=1,
+    or a ``-m`` expression that names them."""
+    return os.environ.get("BLAZECORE_LARGE") == "1" or "large" in (config.getoption("markexpr", "") or "")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not large_selected(config):
+        skip_large = pytest.mark.skip(reason="large: set BLAZECORE_LARGE=1 or select with -m large")
+        for item in items:
+            if "large" in item.keywords:
+                item.add_marker(skip_large)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
