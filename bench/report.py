@@ -51,12 +51,47 @@ def dispatch_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def hf_table(doc: dict) -> str:
+    h = doc["header"]
+    out = [f"transformers MoE training steps, {h.get('dtype')}, {h.get('batch')} x {h.get('seq')} tokens per step, "
+           f"{h.get('steps')} AdamW steps ({_header_line(h)}, transformers {h.get('transformers')}); peak = "
+           "torch.cuda.max_memory_allocated per step after the first:", "",
+           "| model | experts | step ms | x vs grouped_mm | peak GiB | peak vs grouped_mm | loss first -> last | "
+           "max rel loss diff |", "|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in doc["rows"]:
+        if r.get("status") != "ok":
+            out.append(f"| {r['family']} | {r['impl']} | {r.get('status')} | | | | | |")
+            continue
+        sp, pv, ld = r.get("speedup_vs_baseline"), r.get("peak_vs_baseline"), r.get("loss_rel_diff_max")
+        peak = r.get("steady_peak_bytes")
+        out.append(f"| {r['family']} | {r['impl']} | {r['step_ms_median']:.1f} | {'' if sp is None else f'{sp:.2f}'} | "
+                   f"{'' if peak is None else f'{peak / 2**30:.2f}'} | {'' if pv is None else f'{100 * pv:.1f}%'} | "
+                   f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {'' if ld is None else f'{ld:.1e}'} |")
+    return "\n".join(out)
+
+
+def jax_table(doc: dict) -> str:
+    h = doc["header"]
+    out = [f"JAX adapter (jitted forward+backward of blazecore_jax.moe_ffn, routing given) vs the core on CuPy arrays, "
+           f"bf16 ({_header_line(h)}, jax {h.get('jax')}):", "",
+           "| shape | tokens | checkpoint | core ms | jax ms | ratio | jax TFLOP/s | outputs |",
+           "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in doc["rows"]:
+        if r.get("status") != "ok":
+            out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r.get('checkpoint')} | {r.get('status')} | | | | |")
+            continue
+        same = "identical" if r.get("identical") else ("close" if r.get("check_ok") else "DIFFER")
+        out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['checkpoint']} | {r['core_ms']:.2f} | "
+                   f"{r['jax_ms']:.2f} | {r['ratio']:.3f} | {r['jax_tflops']:.0f} | {same} |")
+    return "\n".join(out)
+
+
 def render() -> str:
     parts = []
     for path in sorted(RESULTS.glob("*.json")):
         doc = json.loads(path.read_text())
         kind = doc.get("header", {}).get("bench") or path.stem.split("_")[0]
-        table = {"moe": moe_table, "dispatch": dispatch_table}.get(kind)
+        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table}.get(kind)
         if table:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{table(doc)}")
     return "\n\n".join(parts) if parts else "No results yet."

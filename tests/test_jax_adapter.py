@@ -1,19 +1,29 @@
-"""The JAX adapter (adapters/blazecore_jax): custom_vjp ops over buffer_callback and the functional moe_layer.
+"""The JAX adapter (adapters/blazecore_jax): custom_vjp ops over buffer_callback, the functional moe_layer and the
+Flax NNX module.
 
 CPU cases run the core's NumPy reference path through the callbacks and compare outputs and every gradient
 with a pure jax.numpy MoE written here (float32), eagerly, under jax.jit and under jax.vmap. Bad shapes and
 dtypes must fail at trace time. The JAX and PyTorch adapters must agree on the same weights (skipped
-without torch). GPU cases carry @pytest.mark.gpu.
+without torch); the NNX module must match moe_layer (skipped without flax). GPU cases carry
+@pytest.mark.gpu: the same comparisons on CUDA buffers (float32 and bfloat16, both checkpoint policies, eager,
+jit and vmap), and what the callbacks must not do there (write over XLA's input buffers, keep CuPy memory).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 from conftest import assert_close
+
+# JAX shares the GPU with CuPy's (and torch's) memory pools in this process: no preallocation of most of it.
+# Set before JAX initialises a backend (importing jax does not).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -79,11 +89,18 @@ def ref_z(logits):
     return jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
 
 
-def ref_layer(params, x, top_k, activation="swiglu"):
+def ref_layer(params, x, top_k, activation="swiglu", ids=None):
+    """The layer in jax.numpy. ``ids`` imposes a selection (one a lower-precision run made: selection has no
+    gradient); the gates still come from this computation's logits."""
     d = x.shape[-1]
     tokens = x.reshape(-1, d)
     logits = jnp.matmul(tokens, params["router"].T, precision=jax.lax.Precision.HIGHEST)
-    gates, ids = ref_route(logits, top_k)
+    gates, own_ids = ref_route(logits, top_k)
+    if ids is None:
+        ids = own_ids
+    else:
+        top = jnp.take_along_axis(jax.nn.softmax(logits, -1), ids, 1)
+        gates = top / top.sum(-1, keepdims=True)
     y = ref_ffn(tokens, params["gate_up_proj"], params["down_proj"], gates, ids, activation)
     return y.reshape(x.shape), {"load_balancing_loss": ref_lb(logits, ids), "z_loss": ref_z(logits)}
 
@@ -232,13 +249,14 @@ def test_aux_losses_and_grads():
 def _layer_loss(layer_fn, top_k, activation="swiglu"):
     def loss(params, x):
         y, aux = layer_fn(params, x, top_k=top_k, activation=activation)
+        y = y.astype(jnp.float32)
         return jnp.sum(y * y) + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["z_loss"]
 
     return loss
 
 
-def _ref_layer_kw(params, x, *, top_k, activation):
-    return ref_layer(params, x, top_k, activation)
+def _ref_layer_kw(params, x, *, top_k, activation, ids=None):
+    return ref_layer(params, x, top_k, activation, ids)
 
 
 @pytest.mark.parametrize("activation,jit", [("swiglu", False), ("swiglu", True), ("gelu", True)],
@@ -395,8 +413,12 @@ def test_gpu_layer_matches_reference_bf16():
     x = jax.device_put(jax.random.normal(jax.random.key(1), (128, 64), jnp.bfloat16), dev)
     vg = jax.jit(jax.value_and_grad(_layer_loss(blazecore_jax.moe_layer, 2), argnums=(0, 1)))
     v, (gp, gx) = vg(params, x)
+    # bf16 logits may order near ties differently from float32 ones: the reference takes the bf16 selection
+    _, aux = blazecore_jax.moe_layer(params, x, top_k=2)
+    _, ids = ops.route_topk(aux["router_logits"], 2)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x))
-    rv, (rgp, rgx) = jax.value_and_grad(_layer_loss(_ref_layer_kw, 2), argnums=(0, 1))(*f32)
+    ref = functools.partial(_ref_layer_kw, ids=jax.device_get(ids))
+    rv, (rgp, rgx) = jax.value_and_grad(_layer_loss(ref, 2), argnums=(0, 1))(*f32)
     _close(v, rv, "loss", 2e-2)
     _close(gx.astype(jnp.float32), rgx, "dx", 2e-2)
     for k in ("router", "gate_up_proj", "down_proj"):
@@ -423,3 +445,219 @@ def test_gpu_ffn_ops_and_vmap():
     yb = jax.jit(jax.vmap(lambda x: ops.moe_ffn(x, D["w13"], D["w2"], D["gates"], D["ids"])))(xb)
     for i in range(2):
         _close(yb[i], ref_ffn(xb[i], D["w13"], D["w2"], D["gates"], D["ids"], "swiglu"), f"y[{i}]", 1e-4)
+
+
+# relative norm error on the GPU against a float32 jax.numpy computation (HIGHEST precision) of the same,
+# dtype-rounded inputs: float32 kernels accumulate in a different order, bf16 ones round their outputs
+GPU_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def _gpu_data(dtype, activation="swiglu", bias=False, L=203, d=128, h=64, E=8, K=3, seed=0):
+    """_data on the JAX GPU in ``dtype`` (gates, ids and logits keep theirs); L ragged, d and h multiples of 8."""
+    dev = _jax_gpu()
+    D = _data(L=L, d=d, h=h, E=E, K=K, activation=activation, bias=bias, seed=seed)
+    keep = ("gates", "ids", "logits")
+    return jax.device_put({k: v if v is None or k in keep else v.astype(dtype) for k, v in D.items()}, dev)
+
+
+def _f32(a):
+    return None if a is None else a.astype(jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("dtype,activation,bias", [("bfloat16", "swiglu", False), ("bfloat16", "gelu", True),
+                                                   ("float32", "swiglu", True), ("float32", "geglu", False)],
+                         ids=["bf16-swiglu", "bf16-gelu-bias", "f32-swiglu-bias", "f32-geglu"])
+def test_gpu_ffn_output_and_every_grad(dtype, activation, bias, checkpoint, mode):
+    """y and the gradients w.r.t. x, w13, w2, gates (and b13, b2) of sum(y * dy) against jax.numpy."""
+    D = _gpu_data(jnp.dtype(dtype), activation, bias)
+    names = ("x", "w13", "w2", "gates") + (("b13", "b2") if bias else ())
+    args = tuple(D[n] for n in names)
+    dy = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal(D["x"].shape), dtype), _jax_gpu())
+
+    def ours(*a):
+        kw = dict(zip(names, a, strict=True))
+        return ops.moe_ffn(kw["x"], kw["w13"], kw["w2"], kw["gates"], D["ids"], activation=activation,
+                           checkpoint=checkpoint, b13=kw.get("b13"), b2=kw.get("b2"))
+
+    def ref(*a):
+        kw = dict(zip(names, a, strict=True))
+        return ref_ffn(kw["x"], kw["w13"], kw["w2"], kw["gates"], D["ids"], activation, kw.get("b13"), kw.get("b2"))
+
+    def fwd_bwd(f, cotangent):
+        def run(*a):
+            y, vjp = jax.vjp(f, *a)
+            return y, vjp(cotangent)
+
+        return run
+
+    run = fwd_bwd(ours, dy)
+    y, grads = (jax.jit(run) if mode == "jit" else run)(*args)
+    ry, rgrads = fwd_bwd(ref, _f32(dy))(*(_f32(a) for a in args))
+    assert y.dtype == jnp.dtype(dtype) and y.shape == D["x"].shape
+    tol = GPU_TOL[dtype]
+    _close(_f32(y), ry, "y", tol)
+    for name, a, g, r in zip(("d" + n for n in names), args, grads, rgrads, strict=True):
+        assert g.dtype == a.dtype and g.shape == a.shape, f"{name}: {g.dtype} {g.shape}"
+        _close(_f32(g), r, name, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_ops_keep_inputs_and_cupy_pool():
+    """moe_forward / moe_backward on XLA buffers: ab holds the pre-activations in slot order, the backward leaves
+    XLA's input buffers (ab included) untouched and gives the same bits twice, the dispatch matches the CPU's,
+    and the callbacks keep no CuPy memory once their results are ready."""
+    import cupy
+
+    import blazecore
+
+    D = _gpu_data(jnp.bfloat16)
+    L, K = D["ids"].shape
+    pool = cupy.get_default_memory_pool()
+    disp = ops.build_dispatch(D["ids"], 8)
+    want = blazecore.build_dispatch(np.asarray(D["ids"]), 8)
+    for name in ("expert_offsets", "slot_token", "slot_k", "pair_slot"):
+        np.testing.assert_array_equal(np.asarray(getattr(disp, name)), getattr(want, name), err_msg=name)
+    jax.block_until_ready(disp)
+    used = pool.used_bytes()
+    y, ab = ops.moe_forward(D["x"], D["w13"], D["w2"], D["gates"], D["ids"], disp, checkpoint="ab")
+    jax.block_until_ready((y, ab))
+    assert pool.used_bytes() == used, "a forward callback kept CuPy memory"
+    assert ab.shape == (L * K, D["w13"].shape[1]) and ab.dtype == jnp.bfloat16
+    z = jnp.einsum("lkrd,ld->lkr", _f32(D["w13"])[D["ids"]], _f32(D["x"]), precision="highest").reshape(L * K, -1)
+    pair = np.asarray(disp.slot_token) * K + np.asarray(disp.slot_k)
+    _close(_f32(ab), z[pair], "ab", GPU_TOL["bfloat16"])
+    y_none, ab_none = ops.moe_forward(D["x"], D["w13"], D["w2"], D["gates"], D["ids"], disp, checkpoint="none")
+    assert ab_none.shape == (0, D["w13"].shape[1])
+    np.testing.assert_array_equal(np.asarray(y_none), np.asarray(y))  # the policy changes what is kept, not y
+    before = {n: np.asarray(a).copy() for n, a in (("x", D["x"]), ("w13", D["w13"]), ("ab", ab))}
+    dy = jax.device_put(jnp.ones_like(y), _jax_gpu())
+    g1 = ops.moe_backward(dy, D["x"], D["w13"], D["w2"], D["gates"], D["ids"], disp, ab)
+    g2 = ops.moe_backward(dy, D["x"], D["w13"], D["w2"], D["gates"], D["ids"], disp, ab)
+    jax.block_until_ready((g1, g2))
+    assert pool.used_bytes() == used, "a backward callback kept CuPy memory"
+    for name, a in (("x", D["x"]), ("w13", D["w13"]), ("ab", ab)):
+        np.testing.assert_array_equal(np.asarray(a), before[name], err_msg=f"the backward wrote over {name}")
+    for name in ("dx", "dw13", "dw2", "dgates"):
+        np.testing.assert_array_equal(np.asarray(getattr(g1, name)), np.asarray(getattr(g2, name)), err_msg=name)
+    rdx = jax.grad(lambda x: jnp.sum(ref_ffn(x, _f32(D["w13"]), _f32(D["w2"]), D["gates"], D["ids"], "swiglu")))(
+        _f32(D["x"]))
+    _close(_f32(g1.dx), rdx, "dx", GPU_TOL["bfloat16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score,renormalize", [("softmax", True), ("sigmoid", False)], ids=["softmax", "sigmoid"])
+def test_gpu_router_and_aux_losses(score, renormalize):
+    D = _gpu_data(jnp.float32)
+    logits, K = D["logits"], 3
+    gates, ids = jax.jit(lambda lg: ops.route_topk(lg, K, score=score, renormalize=renormalize))(logits)
+    rg, rids = ref_route(logits, K, score, renormalize)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+    _close(gates, rg, "gates")
+    w = jax.device_put(jnp.asarray(np.random.default_rng(3).standard_normal(gates.shape), jnp.float32), _jax_gpu())
+    got = jax.jit(jax.grad(lambda lg: jnp.sum(ops.route_topk(lg, K, score=score, renormalize=renormalize)[0] * w)))(
+        logits)
+    _close(got, jax.grad(lambda lg: jnp.sum(ref_route(lg, K, score, renormalize)[0] * w))(logits), "dlogits")
+    _close(ops.load_balancing_loss(logits, ids), ref_lb(logits, ids), "lb")
+    _close(ops.router_z_loss(logits), ref_z(logits), "z")
+    aux = jax.jit(jax.grad(lambda lg: 3.0 * ops.load_balancing_loss(lg, ids) + 0.5 * ops.router_z_loss(lg)))(logits)
+    _close(aux, jax.grad(lambda lg: 3.0 * ref_lb(lg, ids) + 0.5 * ref_z(lg))(logits), "daux")
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_of_grad():
+    """jax.vmap of jax.value_and_grad of the FFN (sequential vmap of the callbacks), batch of 3, under jit."""
+    D = _gpu_data(jnp.float32, bias=True, L=40)
+    xb = jnp.stack([D["x"], -0.5 * D["x"], 2.0 * D["x"]])
+
+    def loss(fn):
+        return lambda x, w13, w2: jnp.sum(fn(x, w13, w2) ** 2)
+
+    ours = loss(lambda x, w13, w2: ops.moe_ffn(x, w13, w2, D["gates"], D["ids"], b13=D["b13"], b2=D["b2"]))
+    ref = loss(lambda x, w13, w2: ref_ffn(x, w13, w2, D["gates"], D["ids"], "swiglu", D["b13"], D["b2"]))
+    vg = jax.vmap(jax.value_and_grad(ours, argnums=(0, 1, 2)), in_axes=(0, None, None))
+    rvg = jax.vmap(jax.value_and_grad(ref, argnums=(0, 1, 2)), in_axes=(0, None, None))
+    (v, g), (rv, rg) = jax.jit(vg)(xb, D["w13"], D["w2"]), rvg(xb, D["w13"], D["w2"])
+    _close(v, rv, "losses", GPU_TOL["float32"])
+    for name, a, b in zip(("dx", "dw13", "dw2"), g, rg, strict=True):
+        assert a.shape == b.shape, name
+        _close(a, b, name, GPU_TOL["float32"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax NNX module (blazecore_jax.nnx; skipped without flax)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_import_does_not_need_flax():
+    code = ("import sys, blazecore_jax; assert 'flax' not in sys.modules, 'flax imported'; "
+            "print(hasattr(blazecore_jax, 'moe_layer'))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), str(_ROOT / "adapters"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=_ROOT, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stdout + out.stderr
+
+
+def test_nnx_module_matches_functional_layer():
+    nnx = pytest.importorskip("flax.nnx")
+    from blazecore_jax.nnx import ExpertBias, MoE
+
+    model = MoE(16, 8, 6, 2, activation="swiglu", checkpoint="none", rngs=nnx.Rngs(params=0))
+    assert blazecore_jax.nnx.MoE is MoE  # the package attribute, loaded on first use
+    params = model.param_dict()
+    assert {k: v.shape for k, v in params.items()} == {"router": (6, 16), "gate_up_proj": (6, 16, 16),
+                                                       "down_proj": (6, 16, 8)}
+    x = jax.random.normal(jax.random.key(1), (3, 5, 16), jnp.float32)
+    y, aux = model(x)
+    fy, faux = blazecore_jax.moe_layer(params, x, top_k=2, checkpoint="none")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(fy))
+    np.testing.assert_array_equal(np.asarray(aux["tokens_per_expert"]), np.asarray(faux["tokens_per_expert"]))
+
+    def loss(m, x):
+        y, aux = m(x)
+        return jnp.sum(y * y) + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["z_loss"]
+
+    v, grads = nnx.jit(nnx.value_and_grad(loss))(model, x)
+    rv, rg = jax.value_and_grad(_layer_loss(_ref_layer_kw, 2), argnums=0)(params, x)
+    _close(v, rv, "loss")
+    for k in ("router", "gate_up_proj", "down_proj"):
+        _close(grads[k][...], rg[k], f"d{k}")
+    # the expert bias is a variable, not a parameter: no gradient, and it selects experts
+    bm = MoE(16, 8, 6, 2, expert_bias=True, rngs=nnx.Rngs(params=0))
+    assert isinstance(bm.expert_bias, ExpertBias)
+    assert "expert_bias" not in nnx.grad(loss)(bm, x)
+    bm.expert_bias.set_value(jnp.zeros((6,), jnp.float32).at[4].set(10.0))
+    _, baux = bm(x)
+    assert int(baux["tokens_per_expert"][4]) == 15
+    bm.update_expert_bias(baux["tokens_per_expert"], rate=0.5)
+    assert float(bm.expert_bias[...][4]) == 9.5 and float(bm.expert_bias[...][0]) == 0.5
+    with pytest.raises(RuntimeError, match="expert_bias"):
+        model.update_expert_bias(aux["tokens_per_expert"])
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(16, 8, 6, 7, rngs=nnx.Rngs(0))
+
+
+def test_nnx_module_trains():
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    from blazecore_jax.nnx import MoE
+
+    model = MoE(16, 32, 8, 2, rngs=nnx.Rngs(params=0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(2), (64, 16), jnp.float32)
+    target = jnp.tanh(x @ jax.random.normal(jax.random.key(3), (16, 16)) / 4)
+
+    @nnx.jit
+    def step(model, opt, x, t):
+        def loss(m):
+            y, aux = m(x)
+            return jnp.mean((y - t) ** 2) + 1e-2 * aux["load_balancing_loss"]
+
+        v, g = nnx.value_and_grad(loss)(model)
+        opt.update(model, g)
+        return v
+
+    losses = [float(step(model, opt, x, target)) for _ in range(40)]
+    assert losses[-1] < 0.5 * losses[0], f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"

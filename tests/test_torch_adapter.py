@@ -512,6 +512,72 @@ def test_gpu_memory_is_torch_owned():
     assert x.grad is not None and w13.grad is not None
 
 
+def _cupy_pool_used() -> int:
+    import cupy
+
+    return cupy.get_default_memory_pool().used_bytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ("ab", "none"))
+def test_gpu_layer_memory_counted_by_torch(checkpoint):
+    """MoELayer forward + backward on CUDA: torch's counters see y, the saved (L*K, 2h) pre-activations (policy
+    "ab") and the transients, and CuPy's own pool is never used (torch owns every byte blazecore allocates)."""
+    torch.manual_seed(0)
+    L, d, h, E, K = 4096, 256, 512, 8, 2
+    layer = MoELayer(d, h, E, K, checkpoint=checkpoint, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    pool_before = _cupy_pool_used()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y, aux = layer(x)
+    held = torch.cuda.memory_allocated() - before
+    fwd_peak = torch.cuda.max_memory_allocated() - before
+    y_bytes, ab_bytes = L * d * 2, (L * K * 2 * h * 2 if checkpoint == "ab" else 0)
+    slot_h, slot_d = L * K * h * 2, L * K * d * 2  # bf16 (L*K, h) and (L*K, d) transients of the forward
+    assert held >= y_bytes + ab_bytes, f"held {held} B after the forward, expected >= y + ab = {y_bytes + ab_bytes}"
+    assert fwd_peak >= held + slot_h, f"forward peak {fwd_peak} B does not show the (L*K, h) transient"
+    (y.float().square().sum() + aux["load_balancing_loss"] + aux["z_loss"]).backward()
+    torch.cuda.synchronize()
+    # the backward's transients (dz (L*K, 2h), the per-slot dx rows (L*K, d)) are torch allocations too
+    assert torch.cuda.max_memory_allocated() - before >= held + L * K * 2 * h * 2 + slot_d
+    assert _cupy_pool_used() == pool_before, "blazecore allocated from CuPy's pool, which torch cannot see"
+    assert x.grad is not None and layer.gate_up_proj.grad is not None and layer.router.weight.grad is not None
+
+
+@pytest.mark.gpu
+def test_gpu_hf_backend_memory_counted_by_torch():
+    """The transformers experts backend on CUDA: the experts' forward raises torch's counters by y and the
+    saved pre-activations, and nothing comes from CuPy's pool."""
+    transformers = pytest.importorskip("transformers")
+    hf = pytest.importorskip("blazecore_torch.hf")
+    L, d, h, E, K = 4096, 256, 512, 8, 2
+    cfg = transformers.OlmoeConfig(vocab_size=64, hidden_size=d, intermediate_size=h, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, num_experts=E, num_experts_per_tok=K,
+                                   max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.BACKEND_NAME)
+    model = model.to("cuda", torch.bfloat16)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate"))
+    hidden = torch.randn(L, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weights, idx = torch.topk(torch.randn(L, E, device="cuda").softmax(-1), K, dim=-1)
+    torch.cuda.synchronize()
+    pool_before = _cupy_pool_used()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = experts(hidden, idx, weights)
+    held = torch.cuda.memory_allocated() - before
+    assert y.shape == (L, d) and y.dtype == torch.bfloat16
+    ab_bytes, y_bytes = L * K * 2 * h * 2, L * d * 2
+    assert held >= ab_bytes + y_bytes, f"held {held} B after the experts' forward, expected >= {ab_bytes + y_bytes}"
+    assert torch.cuda.max_memory_allocated() - before >= held + L * K * h * 2
+    y.float().sum().backward()
+    torch.cuda.synchronize()
+    assert _cupy_pool_used() == pool_before, "blazecore allocated from CuPy's pool, which torch cannot see"
+    assert hidden.grad is not None and experts.gate_up_proj.grad is not None
+
+
 @pytest.mark.gpu
 def test_gpu_runs_on_current_stream():
     """A layer call on a side stream gives the same result as on the default stream."""

@@ -9,7 +9,7 @@ same weights run on both adapters:
                                   ((E, h, d) for non-gated activations)
     "down_proj"     (E, d, h)
 
-A Flax NNX module is not provided here (flax is not a dependency); wrap ``moe_layer`` in one if needed.
+``blazecore_jax.nnx.MoE`` wraps this function in a Flax NNX module (flax is needed only there).
 """
 
 from __future__ import annotations
