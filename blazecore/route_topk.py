@@ -197,6 +197,11 @@ def _check_dloss(dloss, gpu: bool, name: str):
     return d, 0.0
 
 
+def _check_stream(stream, gpu: bool) -> None:
+    if stream is not None and not gpu:
+        raise ValueError("stream given, but the logits are a CPU array (streams apply to CUDA arrays)")
+
+
 def _check_out_device(arrays: dict) -> None:
     _validate.same_device(arrays)
 
@@ -367,7 +372,8 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
         expert_bias: optional (E,) float32 added to the scores for the selection only (the gates use the
             unbiased scores), on the same device as the logits.
         out_gates, out_ids: optional (L, K) float32 / int32 C-contiguous buffers to write.
-        stream: CuPy stream or raw handle for the GPU path (default: CuPy's current stream).
+        stream: CuPy stream or raw handle for the GPU path (default: CuPy's current stream); must be None
+            for CPU logits (ValueError), as in every op of the router.
         check_finite: first count the NaN / inf values of the logits (and the bias) and raise
             FloatingPointError naming the array and the count, before anything is written. Off by default:
             on the GPU it is one reduction and one host read, which synchronises the stream.
@@ -386,6 +392,7 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
         bias = _check_bias(expert_bias, E)
         arrays["expert_bias"] = bias
     gpu = _validate.same_device(arrays)
+    _check_stream(stream, gpu)
     gates = _array.out_or_empty(out_gates, (L, K), np.float32, gpu, "out_gates")
     ids = _array.out_or_empty(out_ids, (L, K), np.int32, gpu, "out_ids")
     _check_out_device({**arrays, "out_gates": gates.view, "out_ids": ids.view})
@@ -427,6 +434,7 @@ def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormal
     score_id = _check_score(score)
     _validate.check_array(dg, "dgates", (np.float32,), (L, K))
     gpu = _validate.same_device({"dgates": dg, "logits": x, "expert_ids": ids})
+    _check_stream(stream, gpu)
     dt = logical_dtype(x)
     dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
     _check_out_device({"logits": x, "out": dx.view})
@@ -477,6 +485,7 @@ def load_balancing_loss(logits, expert_ids, *, out=None, stream=None, validate=F
     L, E = _check_logits(x)
     _check_ids(ids, "expert_ids", L, E)
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
+    _check_stream(stream, gpu)
     if gpu:
         if validate:
             _check_id_values(ids, E, "expert_ids", distinct=False)
@@ -500,6 +509,7 @@ def router_z_loss(logits, *, out=None, stream=None):
     x = _array.asarray(logits, "logits")
     _check_logits(x)
     gpu = _validate.same_device({"logits": x})
+    _check_stream(stream, gpu)
     if gpu:
         return _aux_forward(x, None, False, True, out, stream)
     res = _array.out_or_empty(out, (), np.float32, False, "out")
@@ -528,6 +538,7 @@ def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=
     L, E = _check_logits(x)
     K = _check_ids(ids, "expert_ids", L, E)
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
+    _check_stream(stream, gpu)
     d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
     dt = logical_dtype(x)
     dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
@@ -565,6 +576,7 @@ def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
     x = _array.asarray(logits, "logits")
     L, E = _check_logits(x)
     gpu = _validate.same_device({"logits": x})
+    _check_stream(stream, gpu)
     d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
     dt = logical_dtype(x)
     dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
