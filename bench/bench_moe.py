@@ -20,7 +20,10 @@ baseline; relative norm error must stay under --check-tol (2e-2).
 
 Rows that cannot be measured record a status instead: "oom", "unavailable" (blazecore's GPU path or
 torch._grouped_mm missing), "error" (with the message). Results: bench/results/<name>_<gpu-slug>.json,
-rewritten after every (shape, tokens) group, so an interrupted run keeps what it measured.
+rewritten after every (shape, tokens) group, so an interrupted run keeps what it measured. With
+--largest, the JSON's "largest" holds each implementation's largest fitting memory row and "stopped" the
+row (status "oom") of the token count where it no longer fitted; ``python -m blazecore bench`` runs one
+shape this way (--kind moe_scaling) and plots both (bench/plot.py).
 
 Usage (from the repository root):
     python -m bench.bench_moe                         # all shapes, 8k/32k/128k tokens
@@ -509,10 +512,14 @@ def run_group(shape_name, shape, L, impls, checks, weights, args, baselines):
 
 def find_largest(shape_name, shape, impls, grid_rows, weights, args, baselines):
     """Per implementation, the largest L (doubling from the largest --tokens) at which one forward +
-    backward still fits: its memory row, or None when even the largest --tokens did not fit."""
+    backward still fits: ``(largest, stopped)``. ``largest[key]`` is its memory row, or None when even the
+    largest --tokens did not fit; ``stopped`` lists a row (status "oom" or "error") for each implementation
+    at the L where it failed, or at the first L whose inputs did not fit. Below --largest-cap an
+    implementation that never fails has no row in ``stopped``."""
     d, h, E, K = shape
     start = max(args.tokens)
     largest = {impl.key: None for impl, _ in impls}
+    stopped = []
     alive = []
     for impl, _ in impls:
         row = next((r for r in grid_rows if r["impl_key"] == impl.key and r["tokens"] == start), None)
@@ -526,6 +533,9 @@ def find_largest(shape_name, shape, impls, grid_rows, weights, args, baselines):
         except Exception as exc:
             if not _is_oom(exc):
                 raise
+            for impl in alive:
+                stopped.append({**_base_row(shape_name, shape, L, impl, args), "status": "oom",
+                                "message": "the inputs do not fit"})
             break
         for impl in list(alive):
             row = _base_row(shape_name, shape, L, impl, args)
@@ -536,12 +546,13 @@ def find_largest(shape_name, shape, impls, grid_rows, weights, args, baselines):
                 status, message = _classify(exc, baselines)
                 if status != "oom":
                     print(f"  {impl.key} at L={L}: {status}: {message}", flush=True)
+                stopped.append({**row, "status": status, "message": message})
                 alive.remove(impl)
             _cleanup()
         del p
         _cleanup()
         L *= 2
-    return largest
+    return largest, stopped
 
 
 # ------------------------------------------------------------------------------------------------
@@ -631,6 +642,9 @@ def parse_args(argv=None):
     ap.add_argument("--name", default=None, help="results file stem (default moe, or moe_quick with --quick)")
     ap.add_argument("--results-dir", default=None, help="default bench/results")
     ap.add_argument("--no-json", action="store_true", help="print only")
+    ap.add_argument("--kind", default="moe",
+                    help="the JSON header's 'bench' field, which bench/report.py renders by: moe (the table of "
+                         "shapes) or moe_scaling (tokens across, with plots; python -m blazecore bench)")
     ap.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -680,25 +694,31 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+def run(args):
+    """Measure what ``args`` (from :func:`parse_args`) asks; returns the JSON path written, or None (no GPU,
+    no torch, or --no-json)."""
     global DEVICE
-    args = parse_args(argv)
     DEVICE = args.device
     if DEVICE == "cuda":
         ok, why = common.cuda_gpu_available()
         if not ok:
             print(f"bench_moe: no GPU to measure on: {why}. Nothing measured; exiting.")
-            return 0
+            return None
     else:
         try:
             import torch  # noqa: F401
         except ImportError:
             print("bench_moe: torch is not installed; nothing to run.")
-            return 0
+            return None
     if args.repeats < 10:
         print(f"bench_moe: warning: --repeats {args.repeats} < 10; medians are noisy", flush=True)
     baselines = _import_baselines()
     header = common.gpu_header() if DEVICE == "cuda" else common.cpu_header()
-    header["bench"] = "moe"
+    header["bench"] = args.kind
     common.print_header(header)
     if DEVICE == "cuda" and not args.no_ceiling:
         header["dense_bf16_tflops"] = dense_ceiling_tflops()
@@ -710,13 +730,14 @@ def main(argv=None) -> int:
         if reason:
             print(f"# {impl.key}: unavailable: {reason}", flush=True)
 
-    rows, checks_by_shape, largest_rows = [], {}, []
+    rows, checks_by_shape, largest_rows, stopped_rows = [], {}, [], []
 
     def save():
         if args.no_json:
             return None
         return common.write_json(
-            args.name, header, rows, args.results_dir, checks=checks_by_shape, largest=largest_rows
+            args.name, header, rows, args.results_dir, checks=checks_by_shape, largest=largest_rows,
+            stopped=stopped_rows,
         )
 
     for shape_name in args.shapes:
@@ -749,7 +770,8 @@ def main(argv=None) -> int:
             save()
         if args.largest:
             grid = [r for r in rows if r["shape"] == shape_name]
-            found = find_largest(shape_name, shape, impls, grid, weights, args, baselines)
+            found, stopped = find_largest(shape_name, shape, impls, grid, weights, args, baselines)
+            stopped_rows.extend(stopped)
             for r in found.values():
                 if r is not None:
                     largest_rows.append(r)
@@ -757,6 +779,8 @@ def main(argv=None) -> int:
             if done:
                 print(f"  largest L that fits (doubling from {common.format_count(max(args.tokens))}):")
                 common.print_table(done, LARGEST_TABLE)
+            for r in stopped:
+                print(f"  {r['impl_key']}: {r['status']} at L={common.format_count(r['tokens'])}", flush=True)
             save()
         del weights
         _cleanup()
@@ -766,7 +790,7 @@ def main(argv=None) -> int:
     path = save()
     if path is not None:
         print(f"\nwrote {path}")
-    return 0
+    return path
 
 
 if __name__ == "__main__":

@@ -1,7 +1,14 @@
-"""Render the benchmark JSON in bench/results/ as markdown tables; --readme rewrites README's results section.
+"""Render the benchmark JSON in bench/results/ as markdown tables; --readme rewrites README's results sections.
 
     python bench/report.py            # print the tables
-    python bench/report.py --readme   # replace the block between the README's results markers
+    python bench/report.py --readme   # replace the blocks between the README's results markers
+
+The README holds one block per section, each between ``<!-- results:begin (bench/report.py[ SECTION]) -->``
+and the next ``<!-- results:end -->``:
+
+* the main block (no section): every result file except the token-scaling ones (shape tables, dispatch);
+* ``scaling``: the token-scaling runs of ``python -m blazecore bench`` (header "bench": "moe_scaling"), a
+  table of time and peak memory per token count and the plots bench/plot.py wrote beside the JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results:begin (bench/report.py) -->", "<!-- results:end -->"
+SCALING = "moe_scaling"
+
+
+def begin_marker(section: str = "") -> str:
+    return f"<!-- results:begin (bench/report.py{' ' + section if section else ''}) -->"
 
 
 def _header_line(h: dict) -> str:
@@ -86,33 +98,105 @@ def jax_table(doc: dict) -> str:
     return "\n".join(out)
 
 
-def render() -> str:
+def _mib_or_gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n >> 20}m" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
+
+
+def scaling_table(doc: dict, path: Path) -> str:
+    """Tokens down, implementations across: fwd+bwd ms and peak memory, OOM where it did not fit; the plots."""
+    rows = doc["rows"]
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        srows = [r for r in rows if r["shape"] == shape]
+        keys = list(dict.fromkeys(r["impl_key"] for r in srows))
+        cells: dict = {}
+        for r in srows:
+            if r.get("status") == "ok":
+                cells[(r["tokens"], r["impl_key"])] = f"{r['fwd_bwd_ms']:.2f} ms / {_mib_or_gib(r['peak_bytes'])}"
+            elif r.get("status") == "oom":
+                cells[(r["tokens"], r["impl_key"])] = "OOM"
+        for r in doc.get("largest", []):
+            if r["shape"] == shape and r.get("status") == "ok" and r.get("peak_bytes") is not None:
+                cells.setdefault((r["tokens"], r["impl_key"]), f"- / {_mib_or_gib(r['peak_bytes'])}")
+        for r in doc.get("stopped", []):
+            if r["shape"] == shape:
+                cells.setdefault((r["tokens"], r["impl_key"]), r["status"].upper())
+        r0 = srows[0]
+        out += [f"MoE layer forward+backward vs tokens, {shape} (d={r0['d']}, h={r0['h']}, E={r0['E']}, K={r0['K']}), "
+                f"bf16 ({_header_line(doc['header'])}): median fwd+bwd ms / peak memory; '-' ms: memory-only run "
+                "of the search for the largest count that fits, OOM: out of memory", "",
+                "| tokens | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+        for L in sorted({t for t, _ in cells}):
+            out.append(f"| {_count(L)} | " + " | ".join(cells.get((L, k), "") for k in keys) + " |")
+        plots = path.parent / "plots"
+        for kind in ("time", "memory"):
+            png = plots / f"{path.stem}_{shape}_{kind}.png"
+            if png.exists():
+                out += ["", f"![{shape}: forward+backward {kind} vs tokens]({png.relative_to(ROOT).as_posix()})"]
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def _kind(doc: dict, path: Path) -> str:
+    return doc.get("header", {}).get("bench") or path.stem.split("_")[0]
+
+
+def render(section: str = "") -> str:
+    """Markdown of the result files of ``section`` ("" for the main block, "scaling")."""
     parts = []
     for path in sorted(RESULTS.glob("*.json")):
         doc = json.loads(path.read_text())
-        kind = doc.get("header", {}).get("bench") or path.stem.split("_")[0]
-        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table}.get(kind)
-        if table:
+        kind = _kind(doc, path)
+        if (kind == SCALING) != (section == "scaling"):
+            continue
+        table = {"moe": moe_table, "dispatch": dispatch_table}.get(kind)
+        if kind == SCALING:
+            parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
+        elif table:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{table(doc)}")
-    return "\n\n".join(parts) if parts else "No results yet."
+    if parts:
+        return "\n\n".join(parts)
+    if section == "scaling":
+        return "No results yet: on a GPU, `python -m blazecore bench --readme` measures them and fills this section."
+    return "No results yet."
+
+
+SECTIONS = ("", "scaling")
+
+
+def rewrite_readme(text: str) -> tuple[str, list]:
+    """``text`` with every known block regenerated; returns (new text, sections found)."""
+    found = []
+    for section in SECTIONS:
+        begin = begin_marker(section)
+        if begin not in text:
+            continue
+        head, rest = text.split(begin, 1)
+        if END not in rest:
+            raise ValueError(f"README.md: {begin} has no {END}")
+        _, tail = rest.split(END, 1)
+        text = f"{head}{begin}\n{render(section)}\n{END}{tail}"
+        found.append(section or "main")
+    return text, found
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--readme", action="store_true", help="rewrite the README's results block")
+    ap.add_argument("--readme", action="store_true", help="rewrite the README's results blocks")
     args = ap.parse_args(argv)
-    text = render()
     if not args.readme:
-        print(text)
+        print("\n\n".join(render(section) for section in SECTIONS))
         return 0
     readme = ROOT / "README.md"
-    s = readme.read_text()
-    if BEGIN not in s or END not in s:
+    text, found = rewrite_readme(readme.read_text())
+    if not found:
         print(f"README.md has no {BEGIN} ... {END} block", file=sys.stderr)
         return 1
-    head, rest = s.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    readme.write_text(text)
     return 0
 
 

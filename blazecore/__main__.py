@@ -1,17 +1,24 @@
-"""``python -m blazecore [command]``: the command-line entry point (also the ``blazecore`` script).
+"""``python -m blazecore <command>``: the command-line entry point (also the ``blazecore`` script).
 
 Commands:
-    demo (the default)  build the dispatch of a random top-k routing with blazecore and with a
-                        sort-based build, check that they agree, print what was built and the times.
-                        GPU: blazecore's kernels against torch (or CuPy) sort; CPU: the NumPy reference
-                        against a NumPy argsort.
+    train   train a small MoE transformer language model on blazecore's MoE layers (PyTorch) on a generated
+            corpus; ``--baseline`` runs the same model on a conventional PyTorch MoE. GPU: a bf16 model of
+            d=1024, 4 layers, E=16, K=4 (about a minute on an H200); CPU: a tiny model on the NumPy reference.
+    bench   the MoE layer against the PyTorch baselines over token counts (GPU only): JSON in bench/results,
+            a table, PNG plots; ``--readme`` regenerates the README's tables.
+    info    GPU, CUDA driver and runtime, CuPy, NVRTC, torch / jax / transformers versions, kernel cache.
+    demo    build the dispatch of a random top-k routing with blazecore and with a sort-based build, check
+            that they agree, print what was built and the times (GPU kernels, or the CPU reference).
 
-A command is a subparser plus a ``_cmd_<name>(args) -> int`` function registered in ``_COMMANDS``.
+Without a command it prints this overview. A command is a subparser plus a ``_cmd_<name>(args) -> int``
+function registered in ``_COMMANDS``; nothing heavy (torch, cupy) is imported before a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 import statistics
 import sys
 import time
@@ -188,16 +195,241 @@ def _cmd_demo(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+
+# command-line option -> training option (blazecore_torch.train.TrainConfig field)
+_TRAIN_OPTIONS = {
+    "steps": "steps", "batch": "batch", "seq_len": "seq_len", "d_model": "d_model", "layers": "n_layers",
+    "heads": "n_heads", "experts": "num_experts", "top_k": "top_k", "expert_hidden": "expert_hidden", "lr": "lr",
+    "warmup": "warmup", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "aux_loss_coef": "aux_loss_coef",
+    "z_loss_coef": "z_loss_coef", "activation": "activation", "checkpoint_policy": "checkpoint_policy",
+    "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir", "ckpt_every": "ckpt_every",
+    "log": "log", "log_every": "log_every", "eval_batches": "eval_batches", "corpus_tokens": "corpus_tokens",
+    "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads",
+}
+
+
+def _source_root() -> pathlib.Path | None:
+    """The checkout this package runs from (the directory holding blazecore/, adapters/, bench/), if any."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return root if (root / "bench" / "bench_moe.py").is_file() else None
+
+
+def _import_torch_adapter():
+    """``blazecore_torch.train``; from the checkout's adapters/ when the package is not installed.
+
+    Raises ImportError with a message for the user when torch or the adapter is missing."""
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError("PyTorch is not installed: pip install -e '.[torch]' (or any torch >= 2.5)")
+    if importlib.util.find_spec("blazecore_torch") is None:
+        adapters = pathlib.Path(__file__).resolve().parents[1] / "adapters"
+        if not (adapters / "blazecore_torch").is_dir():
+            raise ImportError("blazecore_torch is not installed: pip install -e '.[torch]'")
+        sys.path.insert(0, str(adapters))
+    from blazecore_torch import train
+
+    return train
+
+
+def _train_options(args) -> dict:
+    options = {field: getattr(args, opt) for opt, field in _TRAIN_OPTIONS.items() if getattr(args, opt) is not None}
+    if args.baseline is not None:
+        options["impl"] = args.baseline
+    if args.resume:
+        options["resume"] = True
+    return options
+
+
+def _cmd_train(args) -> int:
+    try:
+        train = _import_torch_adapter()
+    except ImportError as exc:
+        print(f"blazecore train: {exc}", file=sys.stderr)
+        return 2
+    options = _train_options(args)
+    try:
+        if args.print_config:
+            import dataclasses
+            import json
+
+            cfg = train.resolve(options)[0]
+            print(json.dumps(dataclasses.asdict(cfg), indent=1))
+            return 0
+        train.run(options)
+    except train.ConfigError as exc:
+        print(f"blazecore train: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nblazecore train: interrupted" + (f"; resume with --ckpt {args.ckpt} --resume" if args.ckpt else ""),
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a small MoE transformer LM on blazecore's layers (the main job)",
+        description="Train a small MoE transformer language model (causal attention + blazecore MoE layers, "
+                    "PyTorch) on a generated corpus, with a progress bar, checkpoints and a JSON loss log. Options "
+                    "left out take the device's preset (GPU: bf16, d=1024, 4 layers, E=16, K=4, 600 steps; CPU: "
+                    "a tiny float32 model on blazecore's NumPy reference); --print-config shows the result.")
+    m = p.add_argument_group("model")
+    m.add_argument("--d-model", type=int, help="model width d")
+    m.add_argument("--layers", type=int, help="transformer blocks")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--experts", type=int, help="E, experts per MoE layer")
+    m.add_argument("--top-k", type=int, help="K, experts per token")
+    m.add_argument("--expert-hidden", type=int, help="h, each expert's hidden width")
+    m.add_argument("--activation", help="expert activation: swiglu (default), geglu, gelu, silu, relu2")
+    m.add_argument("--checkpoint-policy", choices=("ab", "none"),
+                   help="blazecore: keep the pre-activations for the backward (ab, default) or recompute them (none)")
+    m.add_argument("--baseline", nargs="?", const="conventional", choices=("conventional", "grouped_mm"),
+                   help="run the same model on a PyTorch MoE instead of blazecore: conventional (argsort, gathered "
+                        "copy, per-expert loop, unfused SwiGLU, index_add; the default) or grouped_mm")
+    r = p.add_argument_group("run")
+    r.add_argument("--steps", type=int, help="optimizer steps (the total, also when resuming)")
+    r.add_argument("--batch", type=int, help="sequences per step")
+    r.add_argument("--seq-len", type=int, help="tokens per sequence")
+    r.add_argument("--lr", type=float, help="peak learning rate (AdamW, linear warm-up, cosine decay to 10%%)")
+    r.add_argument("--warmup", type=int, help="warm-up steps")
+    r.add_argument("--weight-decay", type=float)
+    r.add_argument("--grad-clip", type=float, help="global gradient-norm clip (0: none)")
+    r.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (0.01)")
+    r.add_argument("--z-loss-coef", type=float, help="router z-loss weight (0.001)")
+    r.add_argument("--seed", type=int, help="initialisation and batch order (same seed: same start, same batches)")
+    r.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
+    r.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "float64"),
+                   help="parameter dtype (auto: bfloat16 on GPU with float32 master weights, float32 on CPU; "
+                        "float64 only on the CPU)")
+    r.add_argument("--corpus-tokens", type=int, help="size of the generated corpus")
+    r.add_argument("--eval-batches", type=int, help="validation batches at the start and the end")
+    r.add_argument("--sample-tokens", type=int, help="words to sample from the model at the end (0: none)")
+    r.add_argument("--cpu-threads", type=int, help="CPU runs: torch and OpenBLAS threads (1; 0 leaves them)")
+    o = p.add_argument_group("output")
+    o.add_argument("--ckpt", metavar="DIR", help="save DIR/checkpoint.pt every --ckpt-every steps and at the end")
+    o.add_argument("--ckpt-every", type=int, metavar="N", help="steps between checkpoints (200)")
+    o.add_argument("--resume", action="store_true",
+                   help="continue from DIR/checkpoint.pt (same batches and state: the same continuation); its "
+                        "settings apply unless given again")
+    o.add_argument("--log", metavar="FILE", help="write the loss curve and the run's figures as JSON")
+    o.add_argument("--log-every", type=int, metavar="N",
+                   help="steps between loss reads and progress updates (GPU 10, CPU 1)")
+    o.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+
+
+def _torch_gpu() -> tuple[bool, str]:
+    if importlib.util.find_spec("torch") is None:
+        return False, "PyTorch is not installed (pip install -e '.[torch]')"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA GPU"
+    return True, ""
+
+
+def _cmd_bench(args) -> int:
+    ok, why = _torch_gpu()
+    if not ok:
+        print(f"blazecore bench: needs a CUDA GPU, and {why}. Nothing was measured. (On a CPU machine, "
+              "`python -m blazecore train` runs the layer on the reference path.)", file=sys.stderr)
+        return 1
+    root = _source_root()
+    if root is None:
+        print("blazecore bench: runs the benchmarks of a source checkout (bench/ next to blazecore/); none found "
+              f"beside {pathlib.Path(__file__).resolve().parent}. Clone the repository and pip install -e it.",
+              file=sys.stderr)
+        return 2
+    for path in (root, root / "adapters"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    from bench import bench_moe, plot, report
+
+    bench_argv = ["--shapes", args.shape, "--tokens", args.tokens, "--checkpoint", args.checkpoint,
+                  "--impls", args.impls, "--repeats", str(args.repeats), "--seed", str(args.seed),
+                  "--name", args.name, "--kind", "moe_scaling"]
+    if args.largest_cap:
+        bench_argv += ["--largest", "--largest-cap", args.largest_cap]
+    if args.results_dir:
+        bench_argv += ["--results-dir", args.results_dir]
+    for spec in args.define_shape:
+        bench_argv += ["--shape", spec]
+    path = bench_moe.run(bench_moe.parse_args(bench_argv))
+    if path is None:
+        return 1
+    if not args.no_plots:
+        try:
+            for p in plot.plot_file(path):
+                print(f"wrote {p}")
+        except ImportError:
+            print("blazecore bench: matplotlib is not installed (pip install -e '.[plot]'): no plots", file=sys.stderr)
+    if args.readme:
+        rc = report.main(["--readme"])
+        print("README.md: results tables regenerated" if rc == 0 else "README.md: not updated", flush=True)
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="MoE layer vs the PyTorch baselines over token counts (GPU): JSON, table, PNG plots",
+        description="Forward+backward time and peak memory of blazecore's MoE layer (checkpoint ab and none) and "
+                    "the PyTorch baselines (conventional, torch._grouped_mm) for one shape over token counts, then "
+                    "memory alone at doubling counts until each runs out of memory. Writes "
+                    "bench/results/<name>_<gpu>.json, plots in bench/results/plots/. Needs a CUDA GPU and a "
+                    "source checkout (it runs bench/bench_moe.py).")
+    p.add_argument("--shape", default="olmoe",
+                   help="olmoe (d=2048, h=1024, E=64, K=8; default), qwen3, mixtral, fine, or a --define-shape name")
+    p.add_argument("--define-shape", action="append", default=[], metavar="NAME=d,h,E,K",
+                   help="an extra shape for --shape (repeatable)")
+    p.add_argument("--tokens", default="4k,8k,16k,32k,64k,128k", help="timed token counts (default 4k..128k)")
+    p.add_argument("--largest-cap", default="2m",
+                   help="after the timed counts, double the tokens up to this many until each implementation runs "
+                        "out of memory (memory only; '' to skip; default 2m)")
+    p.add_argument("--impls", default="blazecore,conventional,grouped_mm")
+    p.add_argument("--checkpoint", choices=("ab", "none", "both"), default="both", help="blazecore policies")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per figure (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="moe_scaling", help="results file stem (default moe_scaling)")
+    p.add_argument("--results-dir", default=None, help="default bench/results")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--readme", action="store_true", help="regenerate the README's results tables (bench/report.py)")
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------------
+
+
+def _cmd_info(args) -> int:
+    from . import _info
+
+    return _info.main(as_json=args.json)
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 
-_COMMANDS = {"demo": _cmd_demo}
+_COMMANDS = {"train": _cmd_train, "bench": _cmd_bench, "info": _cmd_info, "demo": _cmd_demo}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blazecore", description="blazecore: memory-efficient MoE training kernels")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="blazecore", description="blazecore: memory-efficient MoE training kernels",
+                                     epilog="Start with: blazecore train  (or python -m blazecore train)")
+    parser.add_argument("--version", action="version", version=f"blazecore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
-    demo = sub.add_parser("demo", help="dispatch demo: blazecore vs a sort-based build on a random routing (default)")
+    _add_train_parser(sub)
+    _add_bench_parser(sub)
+    info = sub.add_parser("info", help="GPU, CUDA, CuPy, NVRTC, torch/jax versions and the kernel cache")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    demo = sub.add_parser("demo", help="dispatch demo: blazecore vs a sort-based build on a random routing")
     demo.add_argument("--tokens", type=int, default=65536, help="L, tokens (default 65536)")
     demo.add_argument("--experts", type=int, default=64, help="E, experts (default 64)")
     demo.add_argument("--top-k", type=int, default=8, help="K, experts per token (default 8)")
@@ -209,9 +441,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv.insert(0, "demo")  # no command: the demo, with any options given
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     return _COMMANDS[args.command](args)
 
 

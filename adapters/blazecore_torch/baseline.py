@@ -5,7 +5,8 @@ gates (L, K) float32, expert_ids (L, K) integer. For every (token t, k) with e =
 
     a = x_t w1[e]^T,  b = x_t w3[e]^T,  hcur = silu(a) * b,  y_t += gates[t, k] * (hcur w2[e]^T)
 
-Two implementations, the comparison points of every blazecore benchmark:
+Two implementations, the comparison points of every blazecore benchmark (``bench/baselines.py``
+re-exports them) and of ``python -m blazecore train --baseline``:
 
 * :func:`conventional_moe`: stable argsort of the flattened expert ids, a gathered copy of x in expert
   order, a Python loop over experts of ``F.linear`` -> unfused activation -> ``F.linear``, gate scaling
@@ -16,24 +17,34 @@ Two implementations, the comparison points of every blazecore benchmark:
 Both return y (L, d) in x's dtype; ``torch.autograd.grad(y, (x, w13, w2, gates), dy)`` gives dx, dw13,
 dw2 and dgates. Gates are cast to x's dtype before scaling (their gradient comes back in the gates'
 own dtype). Activations and optional biases b13 (E, 2h or h) and b2 (E, d) follow
-``blazecore.reference.moe``: o = hcur w2[e]^T + b2[e] is scaled by the gate as a whole. This module
-imports only torch, never blazecore.
+``blazecore.reference.moe``: o = hcur w2[e]^T + b2[e] is scaled by the gate as a whole.
+
+:class:`BaselineMoELayer` is a drop-in for ``blazecore_torch.MoELayer`` (same parameters, same
+``forward(x) -> (y, aux)``) whose router (:func:`route_topk`, :func:`load_balancing_loss`,
+:func:`router_z_loss`) and experts are these plain torch functions. This module imports only torch,
+never blazecore.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = [
     "ACTIVATIONS",
+    "BaselineMoELayer",
     "BaselineUnavailable",
     "IMPLEMENTATIONS",
     "conventional_moe",
     "grouped_mm_moe",
     "grouped_mm_unsupported",
+    "load_balancing_loss",
+    "route_topk",
+    "router_z_loss",
 ]
 
 
@@ -238,3 +249,127 @@ def grouped_mm_moe(x, w13, w2, gates, expert_ids, *, activation="swiglu", b13=No
 
 
 IMPLEMENTATIONS = {"conventional": conventional_moe, "grouped_mm": grouped_mm_moe}
+
+
+# ------------------------------------------------------------------------------------------------
+# Router and layer
+# ------------------------------------------------------------------------------------------------
+
+
+def _router_dtype(logits):
+    """Router math runs in float32 (float64 for float64 logits), as blazecore's router does."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def route_topk(logits, top_k, *, score="softmax", renormalize=True):
+    """Top-k routing in plain torch: softmax (or sigmoid) over E, ``torch.topk``, optional renormalisation.
+
+    Args:
+        logits: (L, E) floating tensor.
+        top_k: K in [1, E].
+        score: "softmax" or "sigmoid".
+        renormalize: divide the K selected scores by their sum.
+
+    Returns:
+        (gates (L, K) float32 (float64 for float64 logits), differentiable w.r.t. the logits;
+        expert_ids (L, K) int64, in descending score order).
+    """
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    z = logits.to(_router_dtype(logits))
+    s = torch.softmax(z, dim=-1) if score == "softmax" else torch.sigmoid(z)
+    gates, ids = torch.topk(s, top_k, dim=-1)
+    if renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates, ids
+
+
+def load_balancing_loss(logits, expert_ids):
+    """Switch load-balancing loss E * sum_e f_e P_e, 0-d float32 (float64), differentiable w.r.t. logits.
+
+    f_e: the fraction of the L*K (token, k) pairs routed to e (a count, no gradient); P_e: the mean over
+    tokens of softmax(logits)_e.
+    """
+    E = logits.shape[-1]
+    dt = _router_dtype(logits)
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=dt)
+    p = torch.softmax(logits.to(dt), dim=-1).mean(dim=0)
+    f = torch.bincount(expert_ids.reshape(-1).long(), minlength=E).to(dt) / expert_ids.numel()
+    return E * (f * p).sum()
+
+
+def router_z_loss(logits):
+    """Router z-loss mean_t logsumexp(logits_t)^2, 0-d float32 (float64), differentiable."""
+    dt = _router_dtype(logits)
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=dt)
+    return torch.logsumexp(logits.to(dt), dim=-1).square().mean()
+
+
+class BaselineMoELayer(nn.Module):
+    """``blazecore_torch.MoELayer``'s interface on the baselines: router -> top-k -> experts -> combine.
+
+    Parameters are those of ``MoELayer`` (same names, shapes and default initialisation): ``router.weight``
+    (E, d), ``gate_up_proj`` (E, 2h, d) (or (E, h, d) for non-gated activations), ``down_proj`` (E, d, h),
+    so a state dict moves between the two unchanged.
+
+    Args:
+        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, device, dtype:
+            as for ``MoELayer``.
+        implementation: "conventional" (:func:`conventional_moe`) or "grouped_mm" (:func:`grouped_mm_moe`).
+
+    ``forward(x)`` takes x (..., d) and returns ``(y, aux)`` with y shaped like x and aux the dict of
+    ``MoELayer``: ``load_balancing_loss``, ``z_loss``, ``router_logits`` (L, E), ``tokens_per_expert`` (E,)
+    int32.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
+                 implementation: str = "conventional", device=None, dtype=None):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported by the baselines (supported: {ACTIVATIONS})")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATIONS)}, got {implementation!r}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.activation, self.score, self.renormalize = activation, score, renormalize
+        self.implementation = implementation
+        self._moe = IMPLEMENTATIONS[implementation]
+        fk = {"device": device, "dtype": dtype}
+        R = 2 * intermediate_size if _ACTIVATIONS[activation][0] else intermediate_size
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, R, hidden_size, **fk))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # MoELayer's initialisation, in the same order
+        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.intermediate_size), 1 / math.sqrt(self.intermediate_size))
+        self.router.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"activation={self.activation}, score={self.score}, implementation={self.implementation}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size)
+        logits = self.router(tokens)
+        gates, ids = route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize)
+        y = self._moe(tokens, self.gate_up_proj, self.down_proj, gates, ids, activation=self.activation)
+        aux = {
+            "load_balancing_loss": load_balancing_loss(logits, ids),
+            "z_loss": router_z_loss(logits),
+            "router_logits": logits,
+            "tokens_per_expert": torch.bincount(ids.reshape(-1), minlength=self.num_experts).to(torch.int32),
+        }
+        return y.reshape(shape), aux
