@@ -62,7 +62,10 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty). Without a git checkout: $BLAZECORE_GIT_COMMIT if set, else 'unknown'."""
+    """(commit, dirty). $BLAZECORE_GIT_COMMIT when set (a copy of the tree whose .git is not its history),
+    else the checkout's HEAD, else 'unknown'."""
+    if os.environ.get("BLAZECORE_GIT_COMMIT"):
+        return os.environ["BLAZECORE_GIT_COMMIT"], None
     commit = _git("rev-parse", "HEAD")
     if not commit:
         return os.environ.get("BLAZECORE_GIT_COMMIT", "unknown"), None
