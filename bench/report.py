@@ -153,7 +153,7 @@ def render(section: str = "") -> str:
         kind = _kind(doc, path)
         if (kind == SCALING) != (section == "scaling"):
             continue
-        table = {"moe": moe_table, "dispatch": dispatch_table}.get(kind)
+        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:

@@ -206,7 +206,7 @@ _TRAIN_OPTIONS = {
     "z_loss_coef": "z_loss_coef", "activation": "activation", "checkpoint_policy": "checkpoint_policy",
     "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir", "ckpt_every": "ckpt_every",
     "log": "log", "log_every": "log_every", "eval_batches": "eval_batches", "corpus_tokens": "corpus_tokens",
-    "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads",
+    "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads", "stop_at": "stop_at",
 }
 
 
@@ -312,6 +312,8 @@ def _add_train_parser(sub) -> None:
     o.add_argument("--resume", action="store_true",
                    help="continue from DIR/checkpoint.pt (same batches and state: the same continuation); its "
                         "settings apply unless given again")
+    o.add_argument("--stop-at", type=int, metavar="STEP",
+                   help="end after this step with a checkpoint, e.g. to split a run; --resume continues it")
     o.add_argument("--log", metavar="FILE", help="write the loss curve and the run's figures as JSON")
     o.add_argument("--log-every", type=int, metavar="N",
                    help="steps between loss reads and progress updates (GPU 10, CPU 1)")

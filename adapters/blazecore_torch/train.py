@@ -61,6 +61,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 # fields that fix the model's parameters: a checkpoint resumes only with the same values
 MODEL_FIELDS = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "expert_hidden", "activation",
                 "corpus_seed")
+# fields of one invocation that a resumed run does not take from the checkpoint
+TRANSIENT_FIELDS = ("device", "resume", "stop_at")
 
 PRESETS = {
     # CPU: blazecore's NumPy reference path; 1024 tokens per step, ~1 min on two cores
@@ -110,6 +112,7 @@ class TrainConfig:
     log: str | None = None
     sample_tokens: int = 32
     cpu_threads: int = 1  # CPU runs: threads of torch and of NumPy's OpenBLAS (0: leave them as they are)
+    stop_at: int | None = None  # end this invocation after that step (with a checkpoint); --resume continues
 
     @property
     def tokens_per_step(self) -> int:
@@ -462,7 +465,7 @@ def make_config(options: dict, device: torch.device, checkpoint: dict | None = N
         if clash:
             raise ConfigError("the checkpoint's model differs: " + ", ".join(f"{k} {saved[k]} (asked {options[k]})"
                                                                             for k in clash))
-        values.update({k: v for k, v in saved.items() if k in known})
+        values.update({k: v for k, v in saved.items() if k in known and k not in TRANSIENT_FIELDS})
     values.update(options)
     values["device"] = str(device)
     cfg = TrainConfig(**values)
@@ -707,7 +710,8 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
         if cfg.log:
             _write_json(cfg.log, document("running"))
 
-    for step in range(start + 1, cfg.steps + 1):
+    last = cfg.steps if cfg.stop_at is None else max(start, min(cfg.steps, cfg.stop_at))
+    for step in range(start + 1, last + 1):
         x, y = data.train_batch(step, device)
         logits, aux = model(x)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(_loss_dtype(logits)), y.reshape(-1))
@@ -718,23 +722,26 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
         pending.append(torch.stack([t.detach().double() for t in (loss, lm, lb, z)]))
         if resident is None and device.type == "cuda":
             resident = int(torch.cuda.memory_allocated(device))  # weights, masters, optimizer state
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if step % cfg.log_every == 0 or step == last:
             flush(step)
-        if ckpt_path is not None and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+        if ckpt_path is not None and (step % cfg.ckpt_every == 0 or step == last):
             flush(step)
             save_checkpoint(step)
-    flush(cfg.steps)
+    flush(last)
     bar.close()
-    if start >= cfg.steps:
-        say(f"the checkpoint is at step {start} >= --steps {cfg.steps}: nothing to train")
+    if start >= last:
+        say(f"the checkpoint is at step {start}, --steps {cfg.steps}" +
+            (f", --stop-at {cfg.stop_at}" if cfg.stop_at is not None else "") + ": nothing to train")
+    elif last < cfg.steps:
+        say(f"stopped after step {last} of {cfg.steps}" + ("; --resume continues" if ckpt_path else ""))
 
     # -- summary ---------------------------------------------------------------------------------
-    if not val_history or val_history[-1]["step"] != cfg.steps:
-        val_history.append({"step": cfg.steps, "loss": evaluate(model, val_set)})
-    doc = document("done")
+    if not val_history or val_history[-1]["step"] != last:
+        val_history.append({"step": last, "loss": evaluate(model, val_set)})
+    doc = document("done" if last >= cfg.steps else "stopped")
     s = doc["summary"]
     if s["first_loss"] is not None:
-        say(f"done: {cfg.steps} steps; train loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last "
+        say(f"done: {last} steps; train loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last "
             f"{s['final_window']} steps); validation loss {s['val_first']:.3f} -> {s['val_final']:.3f}")
     say(f"      {_fmt_rate(s['tokens_per_s'])}, peak memory {_fmt_bytes(s['peak_memory_bytes'])} "
         f"({s['memory_kind']}), {s['wall_s']:.1f} s")
