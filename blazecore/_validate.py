@@ -76,7 +76,8 @@ def count_nonfinite(arr) -> int:
     if arr.size == 0:
         return 0
     if not is_gpu(arr):
-        return int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        with np.errstate(invalid="ignore"):  # signalling NaNs warn in isfinite
+            return int(arr.size - np.count_nonzero(np.isfinite(arr)))
     import cupy
 
     if dt == BF16:
