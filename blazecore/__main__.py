@@ -3,7 +3,7 @@
 Commands:
     train   train a small MoE transformer language model on blazecore's MoE layers (PyTorch) on a generated
             corpus; ``--baseline`` runs the same model on a conventional PyTorch MoE. GPU: a bf16 model of
-            d=1024, 4 layers, E=16, K=4 (about a minute on an H200); CPU: a tiny model on the NumPy reference.
+            d=1024, 4 layers, E=16, K=4; CPU: a tiny model on the NumPy reference.
     bench   the MoE layer against the PyTorch baselines over token counts (GPU only): JSON in bench/results,
             a table, PNG plots; ``--readme`` regenerates the README's tables.
     info    GPU, CUDA driver and runtime, CuPy, NVRTC, torch / jax / transformers versions, kernel cache.
