@@ -25,7 +25,10 @@ from blazecore import route_topk as rt
 DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
 ROUTINGS = ("uniform", "zipf", "all_to_one")
 GRAD_KEYS = ("dx", "dw13", "dw2", "dgates", "db13", "db2")
-HAS_CHUNKS = "chunks" in inspect.signature(moe.moe_forward).parameters
+_FWD_PARAMS = inspect.signature(moe.moe_forward).parameters
+HAS_CHUNKS = "chunks" in _FWD_PARAMS
+# small token blocks so that chunks=3 runs three chunks at these L (chunk boundaries are multiples of it)
+BLOCK_TOKENS = {"cpu": 16, "gpu": 256} if "block_tokens" in _FWD_PARAMS else {}
 RUNS = 3
 
 # (L, d, h, E, K): odd L, L*K not a tile multiple; on the GPU about 375 slots per expert (3 m-tiles), all 1500
@@ -87,8 +90,10 @@ def _layer_inputs(backend, routing, dname, seed):
     return {k: to_backend(v, backend) for k, v in inp.items()}
 
 
-def _layer_once(dev, checkpoint, chunks, stream):
+def _layer_once(dev, checkpoint, chunks, stream, backend):
     kw = {"chunks": chunks} if HAS_CHUNKS else {}
+    if backend in BLOCK_TOKENS:
+        kw["block_tokens"] = BLOCK_TOKENS[backend]
     y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], checkpoint=checkpoint,
                                b13=dev["b13"], b2=dev["b2"], stream=stream, **kw)
     out = {"y": _bits(y), "ab": _bits(saved.ab)}
@@ -119,7 +124,7 @@ def test_layer_is_deterministic(where, routing, dname, checkpoint, chunks, monke
     runs = []
     for i in range(RUNS):
         with _run_context(backend, i) as s:
-            runs.append(_layer_once(dev, checkpoint, chunks, s))
+            runs.append(_layer_once(dev, checkpoint, chunks, s, backend))
     _assert_runs_equal(runs, f"layer {routing} {dname} {checkpoint}")
     for key in GRAD_KEYS:
         assert runs[0][key] == runs[0][key + " (second backward)"], f"{key}: a second backward differs"
