@@ -306,3 +306,80 @@ def test_memory_model_matches_allocations_gpu(checkpoint, chunks):
                             sm90=False)
     assert abs(est.peak_bytes - peak) <= 0.1 * peak, (est, peak)
     assert abs(est.held_bytes - held) <= 0.1 * max(held, 1) + 4096, (est, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner in the layers (blazecore.layer.resolve_chunks, PyTorch and JAX)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resolve_chunks():
+    from blazecore.layer import resolve_chunks
+
+    kw = dict(dtype="bfloat16", activation="swiglu", checkpoint="none")
+    L = 1 << 20
+    assert resolve_chunks(3, L, **OLMOE, **kw) == 3
+    assert resolve_chunks("auto", L, **OLMOE, **kw, free_bytes=None) == 1  # no device: the reference path
+    budget = memory.moe_memory(L, **OLMOE, **kw, chunks=8, retain=True).peak_bytes
+    want = memory.plan_chunks(L, **OLMOE, **kw, budget=budget, retain=True).chunks
+    assert want > 1
+    assert resolve_chunks("auto", L, **OLMOE, **kw, budget=budget, free_bytes=lambda: 1) == want
+    assert resolve_chunks("auto", L, **OLMOE, **kw, budget=0.5, free_bytes=lambda: 2 * budget) == want
+
+
+def _layer_inputs(L, d, h, E, K, seed=3):
+    rng = np.random.default_rng(seed)
+    g = rng.random((L, K)) + 0.1
+    return {
+        "x": rng.standard_normal((L, d)).astype(np.float32),
+        "w13": (rng.standard_normal((E, 2 * h, d)) / math.sqrt(d)).astype(np.float32),
+        "w2": (rng.standard_normal((E, d, h)) / math.sqrt(h)).astype(np.float32),
+        "gates": (g / g.sum(axis=1, keepdims=True)).astype(np.float32),
+        "ids": _routing(rng, L, E, K, "late"),
+        "dy": rng.standard_normal((L, d)).astype(np.float32),
+    }
+
+
+L_ADAPTER = moe.BLOCK_TOKENS * 2 + 777  # chunking needs more tokens than one reduction block
+
+
+@pytest.mark.gpu
+def test_torch_ffn_chunks_gpu():
+    torch = pytest.importorskip("torch")
+    import blazecore_torch
+
+    inp = _layer_inputs(L_ADAPTER, 32, 16, 8, 2)
+    t = {k: torch.from_numpy(v).cuda() for k, v in inp.items()}
+    t["x"] = t["x"].to(torch.bfloat16)
+    t["w13"] = t["w13"].to(torch.bfloat16)
+    t["w2"] = t["w2"].to(torch.bfloat16)
+    outs = []
+    for chunks in (1, 3):
+        leaves = [t[k].clone().requires_grad_() for k in ("x", "w13", "w2", "gates")]
+        y = blazecore_torch.ops.moe_ffn(*leaves, t["ids"], chunks=chunks)
+        grads = torch.autograd.grad(y, leaves, t["dy"].to(y.dtype))
+        outs.append([y, *grads])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_jax_ffn_chunks_gpu():
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    import blazecore_jax
+    import jax.numpy as jnp
+
+    inp = _layer_inputs(L_ADAPTER, 32, 16, 8, 2)
+    x, w13, w2 = (jnp.asarray(inp[k], jnp.bfloat16) for k in ("x", "w13", "w2"))
+    gates, ids, dy = jnp.asarray(inp["gates"]), jnp.asarray(inp["ids"]), jnp.asarray(inp["dy"], jnp.bfloat16)
+
+    def run(chunks):
+        f = lambda x, w13, w2, g: blazecore_jax.ops.moe_ffn(x, w13, w2, g, ids, chunks=chunks)  # noqa: E731
+        y, vjp = jax.vjp(jax.jit(f), x, w13, w2, gates)
+        return [y, *vjp(dy)]
+
+    for a, b in zip(run(1), run(3), strict=True):
+        assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))

@@ -18,9 +18,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import blazecore
-from blazecore.layer import compose_moe_layer
+from blazecore.layer import compose_moe_layer, resolve_chunks
 
 from . import ops
 
@@ -45,7 +46,7 @@ def init_moe_params(key, hidden_size: int, intermediate_size: int, num_experts: 
 
 
 def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkpoint: str = "ab",
-              score: str = "softmax", renormalize: bool = True, expert_bias=None):
+              score: str = "softmax", renormalize: bool = True, expert_bias=None, chunks=1, memory_budget=None):
     """Mixture-of-Experts feed-forward layer.
 
     Args:
@@ -57,6 +58,10 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
         checkpoint: "ab" or "none" (see ``blazecore.moe_forward``).
         score, renormalize: router scoring (see :func:`ops.route_topk`).
         expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), no gradient.
+        chunks: token chunks of the expert FFNs (an int >= 1; bit-identical results, transients scale with
+            L / chunks), or "auto": planned at trace time from the static shapes with
+            ``blazecore.plan_chunks`` for ``memory_budget`` (bytes, or a fraction of the free memory of x's
+            device as its memory_stats report, default 0.9); one chunk on the CPU.
 
     Returns:
         (y, aux): y with x's shape and dtype; aux a dict with ``load_balancing_loss`` and ``z_loss``
@@ -79,7 +84,22 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
     shape = x.shape
     tokens = x.reshape(-1, d)
     logits = tokens @ router.T
+    h = int(w2.shape[2])
+    chunks = resolve_chunks(chunks, int(tokens.shape[0]), d, h, E, top_k, dtype=str(np.dtype(w13.dtype)),
+                            activation=activation, checkpoint=checkpoint, budget=memory_budget,
+                            free_bytes=_free_bytes_probe())
     y, aux = compose_moe_layer(ops, tokens, logits, w13, w2, top_k=top_k, num_experts=E, score=score,
                                renormalize=renormalize, expert_bias=expert_bias, activation=activation,
-                               checkpoint=checkpoint)
+                               checkpoint=checkpoint, chunks=chunks)
     return y.reshape(shape), aux
+
+
+def _free_bytes_probe():
+    """Free bytes of the default device from its memory_stats (None on the CPU or without the stats)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return lambda: int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))

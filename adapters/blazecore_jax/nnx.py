@@ -49,6 +49,7 @@ class MoE(_nnx.Module):
         score: router score, "softmax" or "sigmoid".
         renormalize: divide the K selected scores by their sum.
         expert_bias: keep an :class:`ExpertBias` (E,) float32 variable added to the scores for selection only.
+        chunks, memory_budget: token chunking of the expert FFNs, as :func:`blazecore_jax.moe_layer`.
         dtype: of the parameters (float32, float16 or bfloat16); inputs must have it too.
         rngs: ``nnx.Rngs``; the ``params`` stream initialises the weights (uniform(+-1/sqrt(fan_in)), as
             :func:`blazecore_jax.init_moe_params`).
@@ -60,7 +61,7 @@ class MoE(_nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  activation: str = "swiglu", checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True,
-                 expert_bias: bool = False, dtype=jnp.float32, rngs: _nnx.Rngs):
+                 expert_bias: bool = False, chunks=1, memory_budget=None, dtype=jnp.float32, rngs: _nnx.Rngs):
         blazecore.activation_info(activation)  # raises ValueError for an unknown name
         if checkpoint not in blazecore.CHECKPOINTS:
             raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
@@ -72,6 +73,7 @@ class MoE(_nnx.Module):
         self.hidden_size, self.intermediate_size = int(hidden_size), int(intermediate_size)
         self.num_experts, self.top_k = int(num_experts), int(top_k)
         self.activation, self.checkpoint, self.score, self.renormalize = activation, checkpoint, score, renormalize
+        self.chunks, self.memory_budget = chunks, memory_budget
         p = init_moe_params(rngs.params(), hidden_size, intermediate_size, num_experts, activation=activation,
                             dtype=dtype)
         self.router = _nnx.Param(p["router"])
@@ -86,7 +88,8 @@ class MoE(_nnx.Module):
     def __call__(self, x):
         bias = None if self.expert_bias is None else self.expert_bias[...]
         return moe_layer(self.param_dict(), x, top_k=self.top_k, activation=self.activation, checkpoint=self.checkpoint,
-                         score=self.score, renormalize=self.renormalize, expert_bias=bias)
+                         score=self.score, renormalize=self.renormalize, expert_bias=bias, chunks=self.chunks,
+                         memory_budget=self.memory_budget)
 
     def update_expert_bias(self, tokens_per_expert, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step: bias_e += rate * sign(mean_count - count_e).

@@ -438,21 +438,23 @@ class MoEGrads(NamedTuple):
     db2: jax.Array | None
 
 
-def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint):
+def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1):
     y_out, ab_out = outs
     with _scope(ctx, (x,)) as v:
         y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
                                          checkpoint=checkpoint, b13=v(b13), b2=v(b2),
-                                         dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream)
+                                         dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream,
+                                         chunks=chunks)
         if checkpoint == "ab":
             v.put(v(ab_out), saved.ab)
 
 
-def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, activation, checkpoint):
+def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, activation, checkpoint, chunks=1):
     dx, dw13, dw2, dgates, db13, db2 = outs
     with _scope(ctx, (x,)) as v:
         saved = blazecore.MoESaved(v(x), v(w13), v(w2), v(gates), v(ids), _core_dispatch(v, *disp), activation,
-                                   checkpoint, v(b13), v(b2), v(ab) if checkpoint == "ab" else None)
+                                   checkpoint, v(b13), v(b2), v(ab) if checkpoint == "ab" else None,
+                                   chunks=chunks)
         g = blazecore.moe_backward(v(dy), saved, out_dx=v(dx), out_dw13=v(dw13), out_dw2=v(dw2),
                                    out_dgates=v(dgates), stream=v.stream, retain=True)
         if db13 is not None:
@@ -462,22 +464,23 @@ def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, act
 
 
 def moe_forward(x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, *, b13=None, b2=None,
-                activation: str = "swiglu", checkpoint: str = "ab"):
+                activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1):
     """Forward op (no gradient of its own; :func:`moe_ffn` is the differentiable entry point).
 
     Returns (y (L, d) in x's dtype, ab): ab the (L*K, R) pre-activations in expert-slot order under
-    checkpoint "ab", a (0, R) placeholder under "none"; pass it to :func:`moe_backward`.
+    checkpoint "ab", a (0, R) placeholder under "none"; pass it to :func:`moe_backward` with the same
+    ``chunks`` (token chunks, see ``blazecore.moe_forward``; ab's rows are laid out chunk by chunk).
     """
     L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
     _check_dispatch(dispatch, L, K, E)
     shapes = (_sds((L, d), dt), _sds((L * K if checkpoint == "ab" else 0, R), dt))
-    cb = functools.partial(_ffn_fwd_cb, activation=activation, checkpoint=checkpoint)
+    cb = functools.partial(_ffn_fwd_cb, activation=activation, checkpoint=checkpoint, chunks=_chunks(chunks))
     y, ab = _callback(cb, shapes)(x, w13, w2, gates, expert_ids, tuple(dispatch), b13, b2)
     return y, ab
 
 
 def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *, b13=None, b2=None,
-                 activation: str = "swiglu", checkpoint: str = "ab") -> MoEGrads:
+                 activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1) -> MoEGrads:
     """Backward op: gradients of sum(dy * y) from the forward's inputs and its ``ab``."""
     L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
     _check_dispatch(dispatch, L, K, E)
@@ -489,9 +492,15 @@ def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *
                          f"{tuple(ab.shape)} {_dname(_dtype(ab))}")
     shapes = (_sds(x.shape, dt), _sds(w13.shape, dt), _sds(w2.shape, dt), _sds(gates.shape, np.float32),
               None if b13 is None else _sds(b13.shape, dt), None if b2 is None else _sds(b2.shape, dt))
-    cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint)
+    cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint, chunks=_chunks(chunks))
     out = _callback(cb, shapes)(dy, x, w13, w2, gates, expert_ids, tuple(dispatch), ab, b13, b2)
     return MoEGrads(*out)
+
+
+def _chunks(chunks) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    return int(chunks)
 
 
 def _check_dispatch(dispatch, L: int, K: int, E: int) -> None:
@@ -505,21 +514,22 @@ def _check_dispatch(dispatch, L: int, K: int, E: int) -> None:
                              "(was the dispatch built for other expert_ids or another number of experts?)")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _ffn(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _ffn(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks):
     return moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation,
-                       checkpoint=checkpoint)[0]
+                       checkpoint=checkpoint, chunks=chunks)[0]
 
 
-def _ffn_fwd(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint):
-    y, ab = moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation, checkpoint=checkpoint)
+def _ffn_fwd(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks):
+    y, ab = moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation, checkpoint=checkpoint,
+                        chunks=chunks)
     return y, (x, w13, w2, gates, ids, disp, ab, b13, b2)
 
 
-def _ffn_bwd(activation, checkpoint, res, dy):
+def _ffn_bwd(activation, checkpoint, chunks, res, dy):
     x, w13, w2, gates, ids, disp, ab, b13, b2 = res
     g = moe_backward(dy.astype(x.dtype), x, w13, w2, gates, ids, disp, ab, b13=b13, b2=b2, activation=activation,
-                     checkpoint=checkpoint)
+                     checkpoint=checkpoint, chunks=chunks)
     return g.dx, g.dw13, g.dw2, g.dgates, None, None, g.db13, g.db2
 
 
@@ -527,7 +537,7 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
 def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab", b13=None,
-            b2=None, dispatch: JaxDispatch | None = None):
+            b2=None, dispatch: JaxDispatch | None = None, chunks: int = 1):
     """The expert FFNs and gate-weighted combine, differentiable w.r.t. x, w13, w2, gates, b13, b2.
 
     Args:
@@ -540,6 +550,8 @@ def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkp
         checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute).
         b13, b2: optional (E, R) and (E, d) biases, x's dtype.
         dispatch: a :class:`JaxDispatch` of ``expert_ids``; built here (validating the ids) when None.
+        chunks: run the tokens in this many chunks (``blazecore.moe_forward``): transients scale with
+            L / chunks, results are bit-identical to one chunk.
 
     Returns:
         y (L, d) in x's dtype.
@@ -549,4 +561,4 @@ def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkp
     if dispatch is None:
         dispatch = build_dispatch(expert_ids, E)
     dispatch = JaxDispatch(*(jax.lax.stop_gradient(a) for a in dispatch))
-    return _ffn(x, w13, w2, gates, expert_ids, dispatch, b13, b2, activation, checkpoint)
+    return _ffn(x, w13, w2, gates, expert_ids, dispatch, b13, b2, activation, checkpoint, _chunks(chunks))

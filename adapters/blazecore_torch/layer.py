@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import blazecore
-from blazecore.layer import compose_moe_layer
+from blazecore.layer import compose_moe_layer, resolve_chunks
 
 from . import ops
 
@@ -40,6 +40,11 @@ class MoELayer(nn.Module):
         expert_bias: keep an (E,) float32 buffer ``expert_bias`` added to the scores for selection only
             (aux-loss-free balancing); update it with :meth:`update_expert_bias`.
         checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute them).
+        chunks: token chunks of the expert FFNs (transient memory scales with L / chunks, results are
+            bit-identical), or "auto": on a GPU, the smallest count whose predicted peak
+            (``blazecore.moe_memory``) fits ``memory_budget``, planned per call from the token count (eager
+            only; under torch.compile and on the CPU "auto" runs one chunk).
+        memory_budget: for "auto": bytes, or a fraction of the free device memory (default 0.9).
         device, dtype: of the parameters.
 
     ``forward(x)`` takes x (..., d) and returns ``(y, aux)``: y with x's shape and dtype, and aux a dict with
@@ -49,7 +54,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
-                 expert_bias: bool = False, checkpoint: str = "ab", device=None, dtype=None):
+                 expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None, device=None,
+                 dtype=None):
         super().__init__()
         gated = blazecore.activation_info(activation)
         if checkpoint not in blazecore.CHECKPOINTS:
@@ -61,6 +67,9 @@ class MoELayer(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
+        if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
+            raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
+        self.chunks, self.memory_budget = chunks, memory_budget
         fk = {"device": device, "dtype": dtype}
         R = 2 * intermediate_size if gated else intermediate_size
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
@@ -81,7 +90,7 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "
                 f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}, "
-                f"expert_bias={self.expert_bias is not None}")
+                f"expert_bias={self.expert_bias is not None}, chunks={self.chunks}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if x.shape[-1] != self.hidden_size:
@@ -93,11 +102,28 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
         logits = self.router(tokens)
+        chunks = resolve_chunks(self.chunks, tokens.shape[0], self.hidden_size, self.intermediate_size,
+                                self.num_experts, self.top_k, dtype=str(x.dtype).removeprefix("torch."),
+                                activation=self.activation, checkpoint=self.checkpoint, budget=self.memory_budget,
+                                free_bytes=self._free_bytes(x))
         y, aux = compose_moe_layer(ops, tokens, logits, self.gate_up_proj, self.down_proj, top_k=self.top_k,
                                    num_experts=self.num_experts, score=self.score, renormalize=self.renormalize,
                                    expert_bias=self.expert_bias, activation=self.activation,
-                                   checkpoint=self.checkpoint)
+                                   checkpoint=self.checkpoint, chunks=chunks)
         return y.reshape(shape), aux
+
+    @staticmethod
+    def _free_bytes(x: torch.Tensor):
+        """A free-memory probe for the planner: torch's free device memory plus its cached unused blocks; None
+        on the CPU or while compiling (no host query in a traced graph)."""
+        if not x.is_cuda or torch.compiler.is_compiling():
+            return None
+
+        def free() -> int:
+            f, _ = torch.cuda.mem_get_info(x.device)
+            return int(f + torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device))
+
+        return free
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:

@@ -355,7 +355,8 @@ def _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation):
 def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                     slot_k: torch.Tensor, pair_slot: torch.Tensor, b13: torch.Tensor | None,
-                    b2: torch.Tensor | None, activation: str, checkpoint: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    b2: torch.Tensor | None, activation: str, checkpoint: str,
+                    chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     L, K = expert_ids.shape
     R = w13.shape[1]
@@ -376,14 +377,14 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
     with _core_call(x.device) as stream:
         disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
         y, saved = blazecore.moe_forward(x, w13, w2, gates, expert_ids, activation=activation, checkpoint=checkpoint,
-                                         b13=b13, b2=b2, dispatch=disp, stream=stream)
+                                         b13=b13, b2=b2, dispatch=disp, stream=stream, chunks=chunks)
         ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
         return _to_torch(y), ab
 
 
 @_moe_forward_op.register_fake
 def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, b13, b2, activation,
-      checkpoint):
+      checkpoint, chunks=1):
     L, K = expert_ids.shape
     R = w13.shape[1]
     rows = L * K if checkpoint == "ab" else 0
@@ -394,7 +395,7 @@ def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_sl
 def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                      expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                      slot_k: torch.Tensor, pair_slot: torch.Tensor, ab: torch.Tensor, b13: torch.Tensor | None,
-                     b2: torch.Tensor | None, activation: str, checkpoint: str
+                     b2: torch.Tensor | None, activation: str, checkpoint: str, chunks: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dy, x, w13, w2, gates, ab, b13, b2 = _detach(dy, x, w13, w2, gates, ab, b13, b2)
     L, K = expert_ids.shape
@@ -414,7 +415,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
                 a(x, "x"), a(w13, "w13"), a(w2, "w2"), a(gates, "gates"), a(expert_ids, "expert_ids"),
                 _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
                 None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
-                a(ab, "ab") if checkpoint == "ab" else None)
+                a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks)
             g = blazecore.moe_backward(dy, saved, stream=stream, retain=True)
         grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
         g = {"db13": g.db13, "db2": g.db2}
@@ -426,18 +427,18 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
 
 @_moe_backward_op.register_fake
 def _(dy, x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, ab, b13, b2, activation,
-      checkpoint):
+      checkpoint, chunks=1):
     db13 = torch.empty_like(b13) if b13 is not None else x.new_empty((0,))
     db2 = torch.empty_like(b2) if b2 is not None else x.new_empty((0,))
     return (torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(gates), db13, db2)
 
 
 def _moe_setup(ctx, inputs, output):
-    (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint) = inputs
+    (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint, chunks) = inputs
     _, ab = output
     ctx.mark_non_differentiable(ab)
     ctx.save_for_backward(x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2)
-    ctx.activation, ctx.checkpoint = activation, checkpoint
+    ctx.activation, ctx.checkpoint, ctx.chunks = activation, checkpoint, chunks
 
 
 def _moe_backward(ctx, dy, dab):
@@ -446,9 +447,9 @@ def _moe_backward(ctx, dy, dab):
         dy = torch.zeros_like(x)
     dx, dw13, dw2, dgates, db13, db2 = torch.ops.blazecore.moe_backward(
         dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
-        ctx.activation, ctx.checkpoint)
+        ctx.activation, ctx.checkpoint, ctx.chunks)
     return (dx, dw13, dw2, dgates, None, None, None, None, None, db13 if b13 is not None else None,
-            db2 if b2 is not None else None, None, None)
+            db2 if b2 is not None else None, None, None, None)
 
 
 _moe_forward_op.register_autograd(_moe_backward, setup_context=_moe_setup)
@@ -509,7 +510,7 @@ def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool
 
 def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor,
             *, activation: str = "swiglu", checkpoint: str = "ab", b13: torch.Tensor | None = None,
-            b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None) -> torch.Tensor:
+            b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None, chunks: int = 1) -> torch.Tensor:
     """The expert FFNs and gate-weighted combine (``blazecore.moe_forward`` / ``moe_backward``).
 
     Args:
@@ -522,6 +523,8 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
         checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute).
         b13, b2: optional (E, R) and (E, d) biases, x's dtype.
         dispatch: a :class:`TorchDispatch` of ``expert_ids``; built here (validating the ids) when None.
+        chunks: run the tokens in this many chunks (``blazecore.moe_forward``): transients scale with
+            L / chunks, results are bit-identical to one chunk.
 
     Returns:
         y (L, d) in x's dtype, differentiable w.r.t. x, w13, w2, gates, b13, b2.
@@ -532,7 +535,7 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
         dispatch = build_dispatch(expert_ids, w13.shape[0])
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     y, _ = torch.ops.blazecore.moe_forward(c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
-                                           activation, checkpoint)
+                                           activation, checkpoint, int(chunks))
     return y
 
 
