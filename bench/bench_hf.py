@@ -23,7 +23,9 @@ falls). Per step:
 
 Checks (exit status 1 when one fails; rows that cannot run record why):
 * each blazecore variant's steady peak is below grouped_mm's;
-* each blazecore variant's loss agrees with grouped_mm's at every step: |l - l_gmm| / l_gmm <= --loss-tol.
+* each blazecore variant's loss agrees with grouped_mm's: |l - l_gmm| / l_gmm <= --loss0-tol (2e-3) at the first
+  step (same weights, same batch: the numerics of one forward) and <= --loss-tol (3e-2) at every step (bf16
+  trajectories drift apart once routing decisions flip; eager's drift from grouped_mm is reported beside).
 Eager is reported, not gated.
 
 Results: bench/results/hf_<gpu-slug>.json (rewritten after every implementation) and a printed table.
@@ -262,8 +264,9 @@ def check_rows(rows: list, args) -> None:
             continue
         diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"], strict=True)]
         r["loss_rel_diff_max"] = max(diffs)
+        r["loss_rel_diff_first"] = diffs[0]
         r["loss_rel_diff_final"] = diffs[-1]
-        r["loss_ok"] = r["loss_rel_diff_max"] <= args.loss_tol
+        r["loss_ok"] = r["loss_rel_diff_max"] <= args.loss_tol and r["loss_rel_diff_first"] <= args.loss0_tol
         if r["steady_peak_bytes"] is not None and base["steady_peak_bytes"]:
             r["peak_vs_baseline"] = r["steady_peak_bytes"] / base["steady_peak_bytes"]
             r["peak_ok"] = r["steady_peak_bytes"] < base["steady_peak_bytes"]
@@ -274,7 +277,9 @@ def check_rows(rows: list, args) -> None:
             r["verdict"] = "-"
             continue
         bad = []
-        if not r["loss_ok"]:
+        if r["loss_rel_diff_first"] > args.loss0_tol:
+            bad.append(f"first loss differs by {r['loss_rel_diff_first']:.2e} > {args.loss0_tol:.0e}")
+        if r["loss_rel_diff_max"] > args.loss_tol:
             bad.append(f"loss differs by {r['loss_rel_diff_max']:.2e} > {args.loss_tol:.0e}")
         if r["peak_ok"] is False:
             bad.append(f"peak not below {BASELINE} ({100 * r['peak_vs_baseline']:.1f}%)")
@@ -323,9 +328,15 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 4096; cpu 64)")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per implementation (default 8)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the step-time median")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    ap.add_argument("--loss-tol", type=float, default=2e-2,
-                    help="largest relative loss difference to grouped_mm at any step (default 2e-2)")
+    # 3e-4: bf16 weights (no float32 masters) at 1e-3 made even transformers' eager and grouped_mm experts part
+    # by 3% within 8 steps (mixtral, H200), which a comparison of implementations cannot use
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    # 3e-2: bf16 training drifts apart with any change of kernel numerics once routing decisions flip; on the H200,
+    # 8 steps of mixtral moved eager 1.3e-2 and blazecore 1.0e-2 away from grouped_mm (olmoe, qwen3_moe: < 1e-4)
+    ap.add_argument("--loss-tol", type=float, default=3e-2,
+                    help="largest relative loss difference to grouped_mm at any step (default 3e-2)")
+    ap.add_argument("--loss0-tol", type=float, default=2e-3,
+                    help="largest relative difference of the first loss (same weights, same batch; default 2e-3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="hf", help="results file stem (default hf)")
     ap.add_argument("--results-dir", default=None, help="default bench/results")
@@ -372,7 +383,7 @@ def main(argv=None) -> int:
     header = common.gpu_header() if args.device == "cuda" else common.cpu_header()
     header.update(bench="hf", transformers=transformers.__version__, dtype=str(dtype).replace("torch.", ""),
                   batch=args.batch, seq=args.seq, vocab=args.vocab, steps=args.steps, lr=args.lr,
-                  loss_tol=args.loss_tol)
+                  loss_tol=args.loss_tol, loss0_tol=args.loss0_tol)
     common.print_header(header)
     print(f"# transformers {transformers.__version__}; {args.batch} x {args.seq} = {args.batch * args.seq} tokens "
           f"per step, {args.steps} AdamW steps (lr {args.lr:g}), {header['dtype']}", flush=True)
@@ -439,7 +450,8 @@ def main(argv=None) -> int:
         print(f"\nbench_hf: FAILED: {', '.join(r['family'] + '/' + r['impl'] for r in failed)}", flush=True)
         return 1
     peak = "no memory figures on the CPU" if args.device == "cpu" else "blazecore's peak below grouped_mm's"
-    print(f"\nbench_hf: pass ({peak}; losses within {args.loss_tol:g} of grouped_mm's at every step)", flush=True)
+    print(f"\nbench_hf: pass ({peak}; losses within {args.loss0_tol:g} of grouped_mm's at the first step, "
+          f"{args.loss_tol:g} at every step)", flush=True)
     return 0
 
 

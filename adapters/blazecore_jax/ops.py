@@ -22,10 +22,12 @@ Where the buffers go:
 - CUDA buffers become CuPy views (DLPack, bf16 relabelled as uint16 by ``blazecore.asarray``; the
   raw ``__cuda_array_interface__`` pointer as a fallback). The core launches on XLA's stream
   (``ctx.stream``), writing the outputs the core takes as ``out=`` (y, dx, dw13, dw2, dgates, gates,
-  ids, dlogits, losses) in place. The outputs the core has no ``out=`` for (the dispatch arrays, the
-  saved pre-activations ``ab``, db13, db2) are allocated by the core from CuPy's pool and copied into
-  the XLA buffers on the same stream (device-to-device, asynchronous); workspaces come from CuPy's
-  pool too, so set XLA_PYTHON_CLIENT_PREALLOCATE=false when the GPU path runs.
+  ids, dlogits, losses) in place. The saved pre-activations ``ab`` have no ``out=``: the forward's
+  allocator hands the core XLA's ``ab`` buffer for its (L*K, R) request (``_Views.serve``), with a copy
+  as the fallback. The other outputs the core has no ``out=`` for (the dispatch arrays, db13, db2) are
+  allocated by the core from CuPy's pool and copied into the XLA buffers on the same stream
+  (device-to-device, asynchronous); workspaces come from CuPy's pool too, so set
+  XLA_PYTHON_CLIENT_PREALLOCATE=false when the GPU path runs.
 
 Saved state: a custom_vjp residual must be arrays, so the FFN forward returns ``ab`` (the (L*K, R)
 pre-activations in x's dtype, expert-slot order, under checkpoint "ab"; a (0, R) placeholder under
@@ -108,6 +110,33 @@ class _Views:
         if buf is None:
             return None
         return _gpu_view(buf) if self.gpu else np.asarray(buf)
+
+    @contextlib.contextmanager
+    def serve(self, out_view):
+        """On the GPU: the core's first allocation with ``out_view``'s shape and dtype is ``out_view`` itself (an
+        XLA output buffer), the others come from CuPy's pool. A no-op on the CPU or for ``None``.
+
+        Which of the core's buffers lands there is not assumed: :meth:`put` afterwards copies the result only if
+        the core kept it elsewhere (another buffer of that shape asked first), and a buffer the core took as a
+        transient is written by kernels that come before that copy on the same stream.
+        """
+        if not self.gpu or out_view is None or out_view.size == 0:
+            yield
+            return
+        import cupy
+
+        want = (tuple(int(s) for s in out_view.shape), _array.dtype_name(_array.logical_dtype(out_view)))
+        served = []
+
+        def alloc(shape, dtype_name):
+            if not served and (tuple(int(s) for s in shape), dtype_name) == want:
+                served.append(True)
+                return out_view
+            dt = _array.BF16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+            return cupy.empty(shape, dtype=_array.storage_dtype(dt, True))
+
+        with blazecore.allocator(alloc):
+            yield
 
     def put(self, out_view, result) -> None:
         """Copy a core result into an XLA output view unless the core already wrote it there."""
@@ -441,12 +470,16 @@ class MoEGrads(NamedTuple):
 def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1):
     y_out, ab_out = outs
     with _scope(ctx, (x,)) as v:
-        y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
-                                         checkpoint=checkpoint, b13=v(b13), b2=v(b2),
-                                         dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream,
-                                         chunks=chunks)
-        if checkpoint == "ab":
-            v.put(v(ab_out), saved.ab)
+        ab_view = v(ab_out) if checkpoint == "ab" else None
+        # the core has no out= for the pre-activations: its (L*K, R) allocation is served XLA's ab buffer, which
+        # saves a device copy of L*K*R elements and that much CuPy memory (put copies only if it went elsewhere)
+        with v.serve(ab_view):
+            y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
+                                             checkpoint=checkpoint, b13=v(b13), b2=v(b2),
+                                             dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream,
+                                             chunks=chunks)
+        if ab_view is not None:
+            v.put(ab_view, saved.ab)
 
 
 def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, activation, checkpoint, chunks=1):

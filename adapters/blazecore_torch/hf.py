@@ -49,11 +49,14 @@ def experts_activation(experts: torch.nn.Module) -> str:
 
 
 def _check_supported(experts: torch.nn.Module) -> None:
+    # flags a transformers release may not set (the post-expert norm and expert parallelism are newer than
+    # 5.17): a missing one means the experts do not use that feature
+    flag = lambda name, default=False: getattr(experts, name, default)  # noqa: E731
     unsupported = {
-        "transposed expert weights": experts.is_transposed,
-        "interleaved gate/up rows": not experts.is_concatenated,
-        "a post-expert norm": experts.has_post_expert_norm,
-        "expert parallelism": experts._is_expert_parallel,
+        "transposed expert weights": flag("is_transposed"),
+        "interleaved gate/up rows": not flag("is_concatenated", True),
+        "a post-expert norm": flag("has_post_expert_norm"),
+        "expert parallelism": flag("_is_expert_parallel"),
         "a custom gate function": experts.has_gate and type(experts)._apply_gate is not _default_apply_gate,
     }
     found = [what for what, present in unsupported.items() if present]
