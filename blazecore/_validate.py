@@ -96,8 +96,9 @@ def _bf16_nonfinite_count():
     if _bf16_kernel is None:
         import cupy
 
-        _bf16_kernel = cupy.ReductionKernel("uint16 x", "int64 n", "(x & 0x7F80) == 0x7F80 ? 1 : 0", "a + b",
-                                            "n = a", "0", "blazecore_bf16_nonfinite")
+        # decimal constants: CuPy rewrites parameter names inside the expressions (a hex literal could be hit)
+        _bf16_kernel = cupy.ReductionKernel("uint16 bits", "int64 count", "(bits & 32640) == 32640 ? 1 : 0",
+                                            "a + b", "count = a", "0", "blazecore_bf16_nonfinite")
     return _bf16_kernel
 
 

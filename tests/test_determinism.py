@@ -59,7 +59,8 @@ def _run_context(backend: str, i: int):
     held = [cupy.full((n,), 0x7FC0FFFF, dtype=cupy.uint32) for n in (1000, 3 << 15, 5 << 18)]
     s = cupy.cuda.Stream(non_blocking=True)
     try:
-        yield s
+        with s:  # also current, so the read-backs (.get()) are ordered after the ops on s
+            yield s
         s.synchronize()
     finally:
         del held
@@ -97,8 +98,11 @@ def _layer_once(dev, checkpoint, chunks, stream, backend):
     y, saved = moe.moe_forward(dev["x"], dev["w13"], dev["w2"], dev["gates"], dev["ids"], checkpoint=checkpoint,
                                b13=dev["b13"], b2=dev["b2"], stream=stream, **kw)
     out = {"y": _bits(y), "ab": _bits(saved.ab)}
-    for f in ("expert_offsets", "slot_token", "slot_k", "pair_slot"):
-        out[f] = _bits(getattr(saved.dispatch, f))
+    # the dispatch, or (a chunked GPU forward) the dispatch of each chunk
+    disps = [saved.dispatch] if saved.dispatch is not None else list(getattr(saved, "chunk_dispatches", ()))
+    for i, dp in enumerate(disps):
+        for f in ("expert_offsets", "slot_token", "slot_k", "pair_slot"):
+            out[f"{f} {i}"] = _bits(getattr(dp, f))
     g = moe.moe_backward(dev["dy"], saved, stream=stream, retain=True)
     g2 = moe.moe_backward(dev["dy"], saved, stream=stream)  # the default backward may reuse ``ab`` as scratch
     for key in GRAD_KEYS:

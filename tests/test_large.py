@@ -145,9 +145,9 @@ def _bf16_from_f32(a32):
     """fp32 CuPy array -> bf16 bits (uint16), round to nearest even."""
     import cupy
 
-    k = cupy.ElementwiseKernel(
-        "float32 x", "uint16 y",
-        "unsigned u = __float_as_uint(x); y = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)",
+    k = cupy.ElementwiseKernel(  # decimal constants: CuPy rewrites parameter names inside the code
+        "float32 src", "uint16 dst",
+        "unsigned u = __float_as_uint(src); dst = (unsigned short)((u + 32767u + ((u >> 16) & 1u)) >> 16)",
         "blazecore_test_f32_to_bf16")
     return k(a32)
 
@@ -341,9 +341,9 @@ def test_dispatch_at_the_int32_slot_limit():
     assert INT32_LIMIT - 16 < n < INT32_LIMIT
     # ids[t, k] = (hash(t) + 8k) mod 64: K distinct experts per row, spread over all experts
     ids = cupy.ElementwiseKernel(
-        "", "int32 y",
+        "", "int32 out_id",
         "unsigned long long t = i / 8; int k = (int)(i % 8);"
-        "unsigned hsh = (unsigned)((t * 2654435761ull) >> 11); y = (int)((hsh + 8u * k) & 63u)",
+        "unsigned hsh = (unsigned)((t * 2654435761ull) >> 11); out_id = (int)((hsh + 8u * k) & 63u)",
         "blazecore_test_limit_ids")(size=n).reshape(L, K)
     d = blazecore.build_dispatch(ids, E)  # validate=True: the check kernel over 2**31 - 8 ids too
     off = d.expert_offsets.get().astype(np.int64)
