@@ -140,7 +140,8 @@ def plot_doc(doc: dict, out_dir: pathlib.Path, stem: str) -> list:
             what = "time" if kind == "time" else "peak memory"
             ax.set_title(f"MoE layer forward+backward {what}: {_shape_title(doc, shape)}", fontsize=10)
             ax.grid(True, which="major", alpha=0.3)
-            ax.legend(fontsize=7, loc="lower right")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="lower right")
             fig.text(0.99, 0.01, _footer(header), ha="right", va="bottom", fontsize=7, color="0.4")
             fig.tight_layout(rect=(0, 0.03, 1, 1))
             path = out_dir / f"{stem}_{shape}_{kind}.png"

@@ -98,7 +98,9 @@ def jax_table(doc: dict) -> str:
     return "\n".join(out)
 
 
-def _mib_or_gib(n: float) -> str:
+def _mib_or_gib(n: float | None) -> str:
+    if n is None:  # a CPU smoke run measures no memory
+        return "-"
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 

@@ -72,7 +72,7 @@ PRESETS = {
     # GPU (bf16): 16k tokens per step through 4 MoE layers of E=16 experts, K=4, d=h=1024
     "cuda": {"steps": 600, "batch": 32, "seq_len": 512, "d_model": 1024, "n_layers": 4, "n_heads": 16,
              "num_experts": 16, "top_k": 4, "expert_hidden": 1024, "lr": 1e-3, "warmup": 30, "eval_batches": 8,
-             "corpus_tokens": 2_000_000, "log_every": 10},
+             "corpus_tokens": 4_000_000, "log_every": 10},
 }
 
 
@@ -210,7 +210,8 @@ def init_parameters(model: nn.Module, cfg: TrainConfig) -> str:
             else:
                 std = out_std if name.endswith(("attn.proj.weight", "moe.down_proj")) else 0.02
                 value = torch.randn(p.shape, generator=gen) * std
-            digest.update(name.encode() + value.numpy().tobytes())
+            digest.update(name.encode())
+            digest.update(value.numpy())
             p.copy_(value)
     return digest.hexdigest()
 
@@ -305,7 +306,10 @@ class Data:
     def _windows(self, ids: np.ndarray, rng: np.random.Generator, device) -> tuple:
         starts = rng.integers(0, len(ids) - self.seq_len - 1, size=self.batch)
         idx = starts[:, None] + np.arange(self.seq_len + 1)
-        w = torch.from_numpy(ids[idx].astype(np.int64)).to(device)
+        w = torch.from_numpy(ids[idx].astype(np.int64))
+        if torch.device(device).type == "cuda":
+            # pinned and asynchronous: a pageable copy would wait for the previous step's kernels
+            w = w.pin_memory().to(device, non_blocking=True)
         return w[:, :-1], w[:, 1:]
 
     def train_batch(self, step: int, device) -> tuple:
