@@ -98,6 +98,44 @@ def jax_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def scale_table(doc: dict) -> str:
+    """bench_scale: the token count doubling until out of memory, blazecore with the chunk planner."""
+    h, summ = doc["header"], doc.get("summary", {})
+    out = [f"Largest token count on one GPU, blazecore with the chunk planner (policy and chunks chosen per L for 0.9 "
+           f"of the free memory) against the baselines ({_header_line(h)}); predicted = blazecore.moe_memory:", "",
+           "| impl | tokens | status | policy | chunks | fwd+bwd ms | TFLOP/s | peak GiB | predicted GiB | pred/meas |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v, fmt):
+        return "" if v is None else format(v, fmt)
+
+    for r in doc["rows"] + doc.get("compare", []):
+        pk, pp = r.get("peak_bytes"), r.get("predicted_peak_bytes")
+        out.append(f"| {r['impl']} | {_count(r['tokens'])} | {r['status']} | {r.get('checkpoint') or ''} | "
+                   f"{r.get('chunks') or ''} | {f(r.get('fwd_bwd_ms'), '.1f')} | {f(r.get('fwd_bwd_tflops'), '.0f')} | "
+                   f"{f(pk and pk / 2**30, '.2f')} | {f(pp and pp / 2**30, '.2f')} | {f(r.get('peak_ratio'), '.3f')} |")
+    if summ:
+        out += ["", "Summary: " + "; ".join(f"{k} = {v}" for k, v in summ.items())]
+    return "\n".join(out)
+
+
+def train_section() -> str:
+    """The GPU train comparison (scripts/gpu_train_compare.py) under bench/results/train_*/."""
+    parts = []
+    for cmp_path in sorted(RESULTS.glob("train_*/compare.json")):
+        doc = json.loads(cmp_path.read_text())
+        rel = cmp_path.parent.relative_to(ROOT).as_posix()
+        lines = [f"`{rel}/compare.json` (`python scripts/gpu_train_compare.py {rel}`)", "", "| check | result |",
+                 "|---|---|"]
+        for c in doc.get("checks", []):
+            lines.append(f"| {c.get('check')} | {'ok' if c.get('ok') else 'FAIL'}: {c.get('detail', '')} |")
+        png = cmp_path.parent / "loss_curves.png"
+        if png.exists():
+            lines += ["", f"![train loss curves, blazecore vs conventional MoE]({rel}/loss_curves.png)"]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def _mib_or_gib(n: float | None) -> str:
     if n is None:  # a CPU smoke run measures no memory
         return "-"
@@ -155,11 +193,14 @@ def render(section: str = "") -> str:
         kind = _kind(doc, path)
         if (kind == SCALING) != (section == "scaling"):
             continue
-        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table}.get(kind)
+        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
+                 "scale": scale_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{table(doc)}")
+    if section == "scaling" and train_section():
+        parts.append(train_section())
     if parts:
         return "\n\n".join(parts)
     if section == "scaling":
