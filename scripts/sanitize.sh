@@ -60,8 +60,8 @@ for tool in $TOOLS; do
   fi
   [[ $rc -ne 0 ]] && tail -20 "$log"
   json+="\"$tool\": {\"errors\": $errors, \"rc\": $rc, \"seconds\": $secs}, "
+  echo "${json%, }}" >"$OUT_DIR/summary.json"  # rewritten after each tool: a cut-short run keeps what finished
 done
 json="${json%, }}"
-echo "$json" >"$OUT_DIR/summary.json"
 echo "summary: $json  (logs in $OUT_DIR)"
 exit $status
