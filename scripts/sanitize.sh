@@ -35,7 +35,7 @@ fi
 declare -A extra=(
   [memcheck]="--leak-check no --padding 64"
   [racecheck]="--racecheck-report all"
-  [initcheck]="--track-unused-memory no"
+  [initcheck]=""
   [synccheck]=""
 )
 status=0
@@ -48,13 +48,15 @@ for tool in $TOOLS; do
     "$PY" scripts/sanitize_driver.py --no-pool "${case_args[@]}" >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - t0 ))
-  summary=$(grep -E "ERROR SUMMARY: [0-9]+ error" "$log" | tail -1)
+  # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards displayed
+  # (N errors, W warnings)"
+  summary=$(grep -E "ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: .*[0-9]+ error" "$log" | tail -1)
   if [[ -z "$summary" ]]; then
     errors=-1
     echo "$tool: no error summary in $log (rc $rc)"
     status=1
   else
-    errors=$(sed -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/' <<<"$summary")
+    errors=$(sed -E 's/.*(ERROR SUMMARY: |\()([0-9]+) error.*/\2/' <<<"$summary")
     [[ $errors -ne 0 || $rc -ne 0 ]] && status=1
     echo "$tool: $errors errors, rc $rc, ${secs} s"
   fi
