@@ -204,7 +204,8 @@ _TRAIN_OPTIONS = {
     "heads": "n_heads", "experts": "num_experts", "top_k": "top_k", "expert_hidden": "expert_hidden", "lr": "lr",
     "warmup": "warmup", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "aux_loss_coef": "aux_loss_coef",
     "z_loss_coef": "z_loss_coef", "activation": "activation", "checkpoint_policy": "checkpoint_policy",
-    "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir", "ckpt_every": "ckpt_every",
+    "chunks": "chunks", "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir",
+    "ckpt_every": "ckpt_every",
     "log": "log", "log_every": "log_every", "eval_batches": "eval_batches", "corpus_tokens": "corpus_tokens",
     "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads", "stop_at": "stop_at",
 }
@@ -284,6 +285,9 @@ def _add_train_parser(sub) -> None:
     m.add_argument("--activation", help="expert activation: swiglu (default), geglu, gelu, silu, relu2")
     m.add_argument("--checkpoint-policy", choices=("ab", "none"),
                    help="blazecore: keep the pre-activations for the backward (ab, default) or recompute them (none)")
+    m.add_argument("--chunks", type=lambda v: v if v == "auto" else int(v),
+                   help="blazecore: token chunks of each MoE layer (transient memory scales with tokens / chunks, same "
+                        "results), or auto: the smallest count the memory planner fits in 0.9 of the free memory")
     m.add_argument("--baseline", nargs="?", const="conventional", choices=("conventional", "grouped_mm"),
                    help="run the same model on a PyTorch MoE instead of blazecore: conventional (argsort, gathered "
                         "copy, per-expert loop, unfused SwiGLU, index_add; the default) or grouped_mm")

@@ -101,6 +101,7 @@ class TrainConfig:
     z_loss_coef: float = 0.001
     activation: str = "swiglu"
     checkpoint_policy: str = "ab"
+    chunks: int | str = 1  # token chunks of the blazecore layers (an int, or "auto": the memory planner)
     impl: str = "blazecore"
     seed: int = 0
     corpus_seed: int = 0
@@ -152,7 +153,7 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(d, eps=1e-6, **fk)
         if cfg.impl == "blazecore":
             self.moe = MoELayer(d, cfg.expert_hidden, cfg.num_experts, cfg.top_k, activation=cfg.activation,
-                                checkpoint=cfg.checkpoint_policy, **fk)
+                                checkpoint=cfg.checkpoint_policy, chunks=cfg.chunks, **fk)
         else:
             self.moe = _baseline.BaselineMoELayer(d, cfg.expert_hidden, cfg.num_experts, cfg.top_k,
                                                   activation=cfg.activation, implementation=cfg.impl, **fk)
