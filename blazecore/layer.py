@@ -22,10 +22,8 @@ def resolve_chunks(chunks, L: int, d: int, h: int, E: int, K: int, *, dtype, act
         return 1
     from .memory import plan_chunks
 
-    if budget is None or isinstance(budget, float):
-        budget = int((0.9 if budget is None else budget) * free_bytes())
     return plan_chunks(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, budget=budget,
-                       retain=retain).chunks
+                       retain=retain, free_bytes=free_bytes).chunks
 
 
 def compose_moe_layer(ops, tokens, logits, w13, w2, *, top_k: int, num_experts: int, score: str, renormalize: bool,

@@ -183,7 +183,7 @@ def free_device_bytes(device: int | None = None) -> int:
         return int(free) + int(pool.free_bytes())
 
 
-def _budget_bytes(budget, device) -> int:
+def _budget_bytes(budget, device, free_bytes=None) -> int:
     if budget is None:
         budget = 0.9
     if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)):
@@ -191,7 +191,7 @@ def _budget_bytes(budget, device) -> int:
     if isinstance(budget, (float, np.floating)):
         if not 0.0 < float(budget) <= 1.0:
             raise ValueError(f"memory budget fraction must be in (0, 1], got {budget}")
-        return int(float(budget) * free_device_bytes(device))
+        return int(float(budget) * (free_bytes() if free_bytes is not None else free_device_bytes(device)))
     if budget < 0:
         raise ValueError(f"memory budget must be >= 0 bytes, got {budget}")
     return int(budget)
@@ -200,7 +200,7 @@ def _budget_bytes(budget, device) -> int:
 def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                 checkpoint: str | None = "ab", budget=None, bias: tuple[bool, bool] = (False, False),
                 block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-                device: int | None = None) -> ChunkPlan:
+                device: int | None = None, free_bytes=None) -> ChunkPlan:
     """The smallest chunk count whose predicted peak (:func:`moe_memory`) fits ``budget``.
 
     Args:
@@ -208,13 +208,14 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
             chunk count fits with it, else "none".
         budget: bytes (int), or a fraction in (0, 1] of the device's free memory (float); default 0.9 of the
             free memory of ``device`` (the current device when None), read with cudaMemGetInfo.
+        free_bytes: a callable giving the free bytes instead (a framework's own count, e.g. torch's cache).
         the rest: as :func:`moe_memory`.
 
     Returns:
         :class:`ChunkPlan`. Distinct chunkings are tried in increasing count (chunk_bounds rounds chunks to
         multiples of ``block_tokens``); if none fits, the one with the smallest peak and ``fits=False``.
     """
-    want = _budget_bytes(budget, device)
+    want = _budget_bytes(budget, device, free_bytes)
     policies = CHECKPOINTS if checkpoint is None else (checkpoint,)
     best = None
     for pol in policies:

@@ -325,6 +325,8 @@ def test_resolve_chunks():
     assert want > 1
     assert resolve_chunks("auto", L, **OLMOE, **kw, budget=budget, free_bytes=lambda: 1) == want
     assert resolve_chunks("auto", L, **OLMOE, **kw, budget=0.5, free_bytes=lambda: 2 * budget) == want
+    with pytest.raises(ValueError, match="fraction"):
+        resolve_chunks("auto", L, **OLMOE, **kw, budget=1.5, free_bytes=lambda: budget)
 
 
 def _layer_inputs(L, d, h, E, K, seed=3):

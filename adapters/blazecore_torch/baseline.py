@@ -307,6 +307,26 @@ def router_z_loss(logits):
     return torch.logsumexp(logits.to(dt), dim=-1).square().mean()
 
 
+def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
+                       device=None, dtype=None) -> None:
+    """The parameters both MoE layers own (``MoELayer`` and :class:`BaselineMoELayer`), initialised by
+    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)."""
+    fk = {"device": device, "dtype": dtype}
+    module.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
+    module.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **fk))
+    module.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+    reset_moe_parameters(module)
+
+
+def reset_moe_parameters(module: nn.Module) -> None:
+    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router.
+    One order for both layers, so the same seed gives the same weights."""
+    d, h = module.gate_up_proj.shape[2], module.down_proj.shape[2]
+    nn.init.uniform_(module.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
+    nn.init.uniform_(module.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
+    module.router.reset_parameters()
+
+
 class BaselineMoELayer(nn.Module):
     """``blazecore_torch.MoELayer``'s interface on the baselines: router -> top-k -> experts -> combine.
 
@@ -341,18 +361,11 @@ class BaselineMoELayer(nn.Module):
         self.activation, self.score, self.renormalize = activation, score, renormalize
         self.implementation = implementation
         self._moe = IMPLEMENTATIONS[implementation]
-        fk = {"device": device, "dtype": dtype}
         R = 2 * intermediate_size if _ACTIVATIONS[activation][0] else intermediate_size
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, R, hidden_size, **fk))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
-        self.reset_parameters()
+        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
-        # MoELayer's initialisation, in the same order
-        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
-        nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.intermediate_size), 1 / math.sqrt(self.intermediate_size))
-        self.router.reset_parameters()
+        reset_moe_parameters(self)
 
     def extra_repr(self) -> str:
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "

@@ -13,8 +13,6 @@ which are blazecore's w13 and w2 as they are.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -22,6 +20,7 @@ import blazecore
 from blazecore.layer import compose_moe_layer, resolve_chunks
 
 from . import ops
+from .baseline import add_moe_parameters, reset_moe_parameters
 
 __all__ = ["MoELayer"]
 
@@ -70,22 +69,15 @@ class MoELayer(nn.Module):
         if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
             raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
         self.chunks, self.memory_budget = chunks, memory_budget
-        fk = {"device": device, "dtype": dtype}
         R = 2 * intermediate_size if gated else intermediate_size
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, R, hidden_size, **fk))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # each expert is an nn.Linear pair: uniform(+-1/sqrt(fan_in)) like nn.Linear's default bound
-        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
-        nn.init.uniform_(self.down_proj, -1 / math.sqrt(self.intermediate_size), 1 / math.sqrt(self.intermediate_size))
-        self.router.reset_parameters()
+        reset_moe_parameters(self)
 
     def extra_repr(self) -> str:
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "
