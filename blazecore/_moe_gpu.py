@@ -65,22 +65,28 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}>"
 
 
-def _wgrad90_name(ct, a_gather, b_gather, out_t=False):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}" + (f", {BN90}, true>" if out_t else ">")
+    tail = f", {BN90}, {b(out_t)}, true>" if carry_in else (f", {BN90}, true>" if out_t else ">")
+    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}" + tail
 
 
-def _name90(ct, which, v):
+def _name90(ct, which, v, carry_in=False):
+    """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
+    the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart)."""
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
     if which == "dw2":
         # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
         # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
-        return _wgrad90_name(ct, False, True, out_t=True)
-    return _gemm90_name(ct, b_kmajor, epi, act, a_gather) if mode == MODE_M else _wgrad90_name(ct, a_gather, b_gather)
+        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in)
+    if mode == MODE_M:
+        return _gemm90_name(ct, b_kmajor, epi, act, a_gather)
+    return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in)
 
 
 def _module_names90(ct, act):
-    return [_name90(ct, k, v) for k, v in _variants(ct, act).items()]
+    names = [_name90(ct, k, v) for k, v in _variants(ct, act).items()]
+    return names + [_name90(ct, k, _variants(ct, act)[k], carry_in=True) for k in ("dw2", "dw13")]
 
 
 def _smem90(bn=BN90):
@@ -120,12 +126,12 @@ class _Kernels:
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
 
-    def gemm(self, which):
+    def gemm(self, which, carry_in=False):
         """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant."""
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
-            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v), module_names=names,
+            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in), module_names=names,
                                        max_dynamic_smem=_smem90())
             return fn, _smem90(), NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
@@ -144,7 +150,7 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
                  carry_seen=None):
-    fn, smem, threads, _ = kern.gemm(which)
+    fn, smem, threads, _ = kern.gemm(which, carry_in=bool(flags & 1) and which in ("dw2", "dw13"))
     fn(
         (int(grid),), (threads,),
         (

@@ -78,6 +78,7 @@ __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -352,7 +353,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 
 // ---- the kernel ----------------------------------------------------------------------------------------
 // Same parameter list as moe_gemm (MODE_M); M and o_estride are unused here. T is __nv_bfloat16 or __half.
-// Launch: grid = (ceil(L*K / 128) + E) * tiles_n with tiles_n = ceil(N / (GATED ? BN/2 : BN)),
+// Launch: grid = exactly (ceil(L*K / 128) + E) * tiles_n with tiles_n = ceil(N / (GATED ? BN/2 : BN)),
 // block = sm90::THREADS (384), dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES.
 template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
@@ -388,10 +389,18 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   const int tid = threadIdx.x;
 
   // ---- which tile (as moe_gemm MODE_M) ---------------------------------------------------------------
+  // Grouped rasterization: consecutive CTAs walk GROUP_M m-tiles down one n-tile, then the next n-tile, so the
+  // CTAs resident at a time share a few B (weight) slices and a few A row blocks in L2; with tmg-major order
+  // an expert whose weights exceed L2 (e.g. h = 14336) would stream them from DRAM once per m-tile.
+  // The grid is exactly (m-tile bound) * tiles_n (see the launch line above).
+  constexpr int GROUP_M = 16;
   const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
-  const long long bid = blockIdx.x;
-  const int tmg = static_cast<int>(bid / tiles_n);
-  const int tn = static_cast<int>(bid % tiles_n);
+  const int bid = static_cast<int>(blockIdx.x);
+  const int mt_total = static_cast<int>(gridDim.x) / tiles_n;
+  const int grp = bid / (GROUP_M * tiles_n), first = grp * GROUP_M;
+  const int gsz = min(GROUP_M, mt_total - first), local = bid - first * tiles_n;
+  const int tmg = first + local % gsz;
+  const int tn = local / gsz;
   if (tmg >= __ldg(tile_offsets + num_experts)) return;  // surplus tile of the upper-bound grid
   const int e = find_expert(tile_offsets, num_experts, tmg);
   const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
@@ -451,9 +460,24 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const unsigned b_atom = static_cast<unsigned>((cn >> 3) * (BK * ROW_BYTES)), b_j = cn & 7;
     const T* Be = B + (long long)e * b_estride;
 
+    // EPI_DHCUR reads the tile's z rows after the mainloop: pull them into L2 2 * STAGES k-tiles before its end
+    // (thread p: row m0 + p; 128-byte lines of the gate columns [n0, n0 + BN) and, gated, the up columns).
+    const int pf_kt = EPI == EPI_DHCUR ? max(0, num_kt - 2 * STAGES) : -1;
     int stage = 0;
     unsigned phase = 0;
     for (int kt = 0; kt < num_kt; ++kt) {
+      if constexpr (EPI == EPI_DHCUR) {
+        if (kt == pf_kt && m0 + tid < m_end) {
+          const T* zr = aux + (long long)(m0 + tid) * ldaux + n0;
+#pragma unroll
+          for (int c = 0; c < BN / 64; ++c) {
+            if (n0 + 64 * c < N) {
+              sm90::prefetch_l2(zr + 64 * c);
+              if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + N + 64 * c);
+            }
+          }
+        }
+      }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
       const int k0 = kt * BK;
@@ -521,19 +545,61 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) ----------------------
     const int srow0 = m0 + cw * 64;  // slot of warpgroup row 0
     if constexpr (EPI == EPI_ACT) {
+      // Staged per warp (16 rows, 16-byte chunks XOR-swizzled by row as in EPI_DHCUR): the activation h and
+      // the pre-activations z (gated: gate and up parts) go out as 16-byte row copies. A tile covers NC output
+      // columns (gated: BN / 2 of h, with the matching gate and up columns of z).
+      constexpr int NC = GATED ? BN / 2 : BN;
+      constexpr int RB = NC * 2, ARR = 16 * RB, NARR = GATED ? 3 : 2;
+      constexpr int CPR = NC / EPC, RPI = 32 / CPR;
+      static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "act staging fits in the stage ring");
       const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
       T* hout = (flags & 1) ? out : nullptr;
       T* zout = (flags & 2) ? out2 : nullptr;
+      const int lane = t & 31, wq = t >> 5;
+      const unsigned hs = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
+      const unsigned za = hs + ARR, zb = hs + 2 * ARR;  // zb: gated only
+      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
       if constexpr (GATED) {
         sm90::wg_for_each_gated_pair<BN>(acc, t, [&](int, int r, int c, float a0, float a1, float b0, float b1) {
-          const int s = srow0 + r, n = n0 + c;
-          if (s < m_end && n < N) epi_act_gated<T, ACT>(be, N, hout, ldo, zout, ldo2, s, n, a0, a1, b0, b1);
+          const unsigned off = chunk_off(r - 16 * wq, c >> 3) + (c & 7) * 2;
+          if (be && n0 + c < N) {
+            float x0, x1, y0, y1;
+            load2<T>(be + n0 + c, x0, x1);
+            load2<T>(be + N + n0 + c, y0, y1);
+            a0 += x0; a1 += x1; b0 += y0; b1 += y1;
+          }
+          sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
+          sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
+          sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
         });
       } else {
         sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float z0, float z1) {
-          const int s = srow0 + r, n = n0 + c;
-          if (s < m_end && n < N) epi_act_plain<T, ACT>(be, hout, ldo, zout, ldo2, s, n, z0, z1);
+          const unsigned off = chunk_off(r - 16 * wq, c >> 3) + (c & 7) * 2;
+          if (be && n0 + c < N) {
+            float x0, x1;
+            load2<T>(be + n0 + c, x0, x1);
+            z0 += x0; z1 += x1;
+          }
+          sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
+          sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
         });
+      }
+      __syncwarp();
+      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+      const int wrow0 = srow0 + 16 * wq;
+#pragma unroll 4
+      for (int i = 0; i < 16 / RPI; ++i) {
+        const int rl = RPI * i + ro, s = wrow0 + rl;
+        if (s < m_end && nc < N) {
+          const unsigned off = chunk_off(rl, co);
+          if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
+          if (zout) {
+            T* zr = zout + (long long)s * ldo2 + nc;
+            *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
+            if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
+          }
+        }
       }
     } else if constexpr (EPI == EPI_ROWSCALE) {
       // (acc + bias) * gate, staged per warp (16 rows x BN, swizzled as in EPI_DHCUR) for 16-byte row stores
@@ -585,15 +651,17 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
       const int wrow0 = srow0 + 16 * wq;
       sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-#pragma unroll 1
+      // every z chunk of the warp's rows in flight at once (cp.async straight into the staging; zero-filled
+      // past the expert's rows or the last column), then one wait
+#pragma unroll
       for (int i = 0; i < 16 / RPI; ++i) {
         const int rl = RPI * i + ro, s = wrow0 + rl;
         const bool ok = s < m_end && nc < N;
         const T* zr = aux + (long long)s * ldaux + nc;
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        sm90::st_shared_v4(za + chunk_off(rl, co), ok ? *reinterpret_cast<const uint4*>(zr) : zero);
-        if constexpr (G2) sm90::st_shared_v4(zb + chunk_off(rl, co), ok ? *reinterpret_cast<const uint4*>(zr + N) : zero);
+        sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
+        if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + N : aux, ok ? 16 : 0);
       }
+      sm90::cp_async_wait_all();
       __syncwarp();
       float gs[2], psum[2] = {0.f, 0.f};
 #pragma unroll
@@ -601,17 +669,41 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const int s = srow0 + sm90::acc_row(2 * h, t);
         gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
       }
-      sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float d0, float d1) {
-        const int rl = r - 16 * wq;
-        const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
-        const float2 a = sm90::unpack2<T>(sm90::ld_shared_u32(za + off));
-        const float2 b = G2 ? sm90::unpack2<T>(sm90::ld_shared_u32(zb + off)) : make_float2(0.f, 0.f);
-        const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d0, d1, gs[h]);
-        sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
-        if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
-        sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
-        psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
-      });
+      // The fragment's pairs in batches of JB column groups: the batch's z loads are issued together, so a
+      // warp waits for shared memory once per batch instead of once per pair (the volatile shared-memory
+      // accesses keep program order). Same visiting order as wg_for_each_pair: psum adds in a fixed order.
+      {
+        constexpr int JB = 8;
+        const int r0 = sm90::acc_row(0, t) - 16 * wq, c0 = sm90::acc_col(0, t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rl = r0 + 8 * h;
+#pragma unroll
+          for (int jb = 0; jb < BN / 8; jb += JB) {
+            unsigned av[JB], bv[JB];
+#pragma unroll
+            for (int u = 0; u < JB; ++u) {
+              const int c = c0 + 8 * (jb + u);
+              const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+              av[u] = sm90::ld_shared_u32(za + off);
+              bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < JB; ++u) {
+              const int c = c0 + 8 * (jb + u);
+              const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+              const int i = sm90::acc_reg(jb + u, h);
+              const float2 a = sm90::unpack2<T>(av[u]);
+              const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
+              const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
+              sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
+              if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
+              psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+            }
+          }
+        }
+      }
       __syncwarp();
 #pragma unroll 1
       for (int i = 0; i < 16 / RPI; ++i) {
@@ -673,7 +765,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 
 // OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
 // wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
-template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false>
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -801,11 +893,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
     const int t = tid & 127;
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
-    // flags & 1: continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts that
-    // had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1).
+    // CARRY_IN (flags & 1): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
+    // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Loading the
+    // accumulators with ordinary instructions makes ptxas serialize the wgmma pipeline (C7515), so only the
+    // CARRY_IN instantiation, used by the second and later chunks of a chunked backward, has that code.
     const int ct = tid - 128;
     float* cslice = carry + (long long)bid * (BN / 2) * 256 + ct;  // this thread's column of the CTA's slice
-    const bool carry_in = (flags & 1) && __ldg(carry_seen + e) != 0;
+    const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
     if (carry_in) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
