@@ -44,7 +44,9 @@ enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4 };
 
 __host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU; }
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+// Fast-path sigmoid: ex2.approx-based exp and an approximate reciprocal (a few ulp in fp32, far inside the
+// bf16 / fp16 outputs' rounding; x -> -inf gives 1 / inf = 0, x -> +inf gives 1).
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 // gelu with the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 __device__ __forceinline__ float gelu_tanh(float x) {
