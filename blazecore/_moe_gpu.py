@@ -67,8 +67,7 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
 
 def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    tail = f", {BN90}, {b(out_t)}, true>" if carry_in else (f", {BN90}, true>" if out_t else ">")
-    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}" + tail
+    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}>"
 
 
 def _name90(ct, which, v, carry_in=False):
@@ -85,8 +84,9 @@ def _name90(ct, which, v, carry_in=False):
 
 
 def _module_names90(ct, act):
-    names = [_name90(ct, k, v) for k, v in _variants(ct, act).items()]
-    return names + [_name90(ct, k, _variants(ct, act)[k], carry_in=True) for k in ("dw2", "dw13")]
+    variants = _variants(ct, act)
+    names = [_name90(ct, k, v) for k, v in variants.items()]
+    return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
 
 
 def _smem90(bn=BN90):
@@ -150,7 +150,8 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
                  carry_seen=None):
-    fn, smem, threads, _ = kern.gemm(which, carry_in=bool(flags & 1) and which in ("dw2", "dw13"))
+    # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
+    fn, smem, threads, _ = kern.gemm(which, carry_in=carry is not None and bool(flags & 1))
     fn(
         (int(grid),), (threads,),
         (
