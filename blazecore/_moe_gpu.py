@@ -233,7 +233,8 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, activation, b13, b2, y, z, str
                  disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=h, out=obuf, ldo=d,
                  bias=b2, bias_estride=d, gates=gates, topk=K)
     del hbuf
-    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (obuf, disp.pair_slot, np.int32(K), np.int32(d), y),
+    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
+                                            (obuf, disp.pair_slot, np.int32(K), np.int32(d), y, np.int64(d)),
                                             stream=stream)
 
 
@@ -370,11 +371,30 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     if carry is not None and flags & 2:  # a later chunk continues the sums of this chunk's experts
         kern.fn("blz::moe_mark_seen")((-(-E // 256),), (256,), (disp.expert_offsets, np.int32(E), carry.seen),
                                       stream=stream)
-    # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine
-    dxs = _array.empty_gpu((LK, d), dt).view
-    _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", d)), stream, A=dz, lda=H2, B=w13, ldb=d,
-                 b_estride=H2 * d,
-                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=H2, out=dxs, ldo=d)
-    del dz
-    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,), (dxs, disp.pair_slot, np.int32(K), np.int32(d), dx),
-                                            stream=stream)
+    # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine, in column slices of dx when d is
+    # much wider than dz (dx_slices): each element's sum is the same, and the per-slot rows take (L*K, width)
+    dxs = None
+    for c0, c1 in dx_slices(d, H2):
+        w = c1 - c0
+        if dxs is None:
+            dxs = _array.empty_gpu((LK * w,), dt).view
+        rows = dxs[:LK * w].reshape(LK, w)
+        _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2, B=w13[:, :, c0:],
+                     ldb=d, b_estride=H2 * d,
+                     disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=H2, out=rows, ldo=w)
+        kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
+                                                (rows, disp.pair_slot, np.int32(K), np.int32(w), dx[:, c0:],
+                                                 np.int64(d)),
+                                                stream=stream)
+    del dz, dxs
+
+
+def dx_slices(d: int, kd: int, align: int = 256) -> list[tuple[int, int]]:
+    """Column slices [c0, c1) of dx for the per-slot dx rows (L*K, width) of the backward: one slice unless d is
+    more than twice the reduction width kd (= dz's row, 2h gated); then as few slices as keep each at most 2 kd
+    wide, widths a multiple of ``align`` (whole 256-column tiles) but the last. The extra cost is one more pass
+    over dz per slice, small exactly when dz is narrow."""
+    k = max(1, -(-d // (2 * kd)))
+    per = -(-d // k)
+    w = -(-per // align) * align
+    return [(c, min(d, c + w)) for c in range(0, d, w)]

@@ -145,6 +145,8 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
             t.alloc(4 * E * d)
         t.alloc(4 * E)
     if L:
+        from ._moe_gpu import dx_slices
+
         tiles = t.alloc(4 * (E + 1))
         zc = t.alloc(LKc * R * b) if (checkpoint == "none" or retain) else 0  # recomputed z, or dz beside z
         hg = t.alloc(LKc * h * b)
@@ -153,7 +155,7 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
         nb = _cdiv(Lc, block_tokens)
         blk = t.alloc(4 * E * nb) if nb > 1 else 0
         t.free(hg)
-        dxs = t.alloc(LKc * d * b)
+        dxs = t.alloc(LKc * max(c1 - c0 for c0, c1 in dx_slices(d, R)) * b)  # per-slot dx rows, column-sliced
         t.free(dxs, blk, zc, tiles)
     backward_peak = t.peak  # includes the forward's (monotone); report the larger of the phases
     return MemoryEstimate(max(forward_peak, backward_peak), held, forward_peak, backward_peak, len(bounds), Lc,

@@ -55,6 +55,8 @@ CASES = [
     Case("L0", 0, 32, 16, 4, 2, "random"),
     Case("E256", 64, 16, 8, 256, 8, "random"),
     Case("tiles", 515, 96, 80, 8, 2, "skewed"),  # L*K = 1030: not a tile multiple; d, 2h not powers of two
+    # d far wider than dz's rows: the GPU backward computes dx in column slices (the last one partial)
+    Case("wide_d", 150, 1064, 40, 8, 2, "skewed"),
 ]
 CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
 DTYPE_PARAMS = [pytest.param(k, id=k) for k in DTYPES]
@@ -293,6 +295,35 @@ def test_layer_vs_reference(backend, case, dname, activation, bias):
         if g is not None:
             got = np.asarray(to_numpy(g), dtype=np.float64)[counts == 0]
             assert not np.any(got), f"{key}: nonzero gradient for an expert with no token"
+
+
+def test_dx_slices():
+    from blazecore._moe_gpu import dx_slices
+
+    assert dx_slices(2048, 2048) == [(0, 2048)]
+    assert dx_slices(1536, 512) == [(0, 768), (768, 1536)]
+    assert dx_slices(1064, 80) == [(0, 256), (256, 512), (512, 768), (768, 1024), (1024, 1064)]
+    for d, kd in [(8, 8), (1064, 40), (4096, 28672), (5000, 16), (2056, 1024)]:
+        sl = dx_slices(d, kd)
+        assert sl[0][0] == 0 and sl[-1][1] == d and all(a[1] == b[0] for a, b in zip(sl[:-1], sl[1:], strict=True))
+        assert all((c1 - c0) % 256 == 0 for c0, c1 in sl[:-1]) and all(c1 > c0 for c0, c1 in sl)
+        assert len(sl) == 1 or max(c1 - c0 for c0, c1 in sl) <= max(2 * kd, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
+def test_dx_slices_bit_identical_gpu(activation, monkeypatch):
+    """dx computed in column slices has the bits of the one-slice computation (each element's sum is the same)."""
+    from blazecore import _moe_gpu
+
+    case = next(c for c in CASES if c.name == "wide_d")
+    dev = _on(_inputs(case, "bf16", activation, True), "gpu")
+    assert len(_moe_gpu.dx_slices(case.d, (2 if activation == "swiglu" else 1) * case.h)) > 1
+    sliced = _run(dev, activation)[2]
+    monkeypatch.setattr(_moe_gpu, "dx_slices", lambda d, kd: [(0, d)])
+    whole = _run(dev, activation)[2]
+    for key in GRAD_KEYS:
+        assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), key
 
 
 @pytest.mark.parametrize("backend", backends())

@@ -409,10 +409,11 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
   if (threadIdx.x == 0) tile_offsets[num_experts] = carry;
 }
 
-// out[t, :] = sum_k src[pair_slot[t, k], :] in k order (fp32 accumulation): deterministic combine.
+// out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation): deterministic combine. src rows are
+// d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
 template <typename T>
 __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, const int* __restrict__ pair_slot,
-                                                    int topk, int d, T* __restrict__ out) {
+                                                    int topk, int d, T* __restrict__ out, long long ldo) {
   constexpr int EPC = 16 / sizeof(T);
   const long long t = blockIdx.x;
   for (int c = threadIdx.x; c * EPC < d; c += blockDim.x) {
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
     T* rv = reinterpret_cast<T*>(&res);
 #pragma unroll
     for (int v = 0; v < EPC; ++v) rv[v] = from_f<T>(accv[v]);
-    reinterpret_cast<uint4*>(out + t * d)[c] = res;
+    reinterpret_cast<uint4*>(out + t * ldo)[c] = res;
   }
 }
 
