@@ -9,7 +9,8 @@ Buffers of one forward (L*K = number of (token, expert) slots, H2 = 2h gated or 
   held for the backward:  checkpoint "ab": z (L*K, H2)       checkpoint "none": nothing
   transient:              hcur (L*K, h), o = g * (hcur w2^T) (L*K, d)
 and of one backward (all transient): z (policy "none"), dz (L*K, H2), g*hcur (L*K, h),
-dgates partials (L*K, ceil(h/128)) fp32, per-slot dx rows (L*K, d).
+dgates partials (L*K, ceil(h/BN)) fp32, per-slot dx rows (L*K, w), w the widest column slice of dx (the whole d
+unless d > 2 * dz's row width: see dx_slices).
 """
 
 from __future__ import annotations
