@@ -324,15 +324,34 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         in_place = True
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen}
 
-    # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur
+    # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur;
+    # then dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order. Both run per column slice of h when
+    # h is much wider than d (h_slices; not with a chunk carry, whose layout assumes one launch): the slice's
+    # (L*K, width) g * hcur rows are all the backward keeps of it, and every element has the same bits.
     tiles_nh = kern.tiles_n("dhcur", h)
+    bn_h = kern.gemm("dhcur")[3]
     dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
-    hg = _array.empty_gpu((LK, h), dt).view
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
-    _launch_gemm(kern, "dhcur", _m_grid(LK, E, tiles_nh), stream, A=dy, lda=d, B=w2, ldb=h, b_estride=d * h,
-                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d, out=dz, ldo=H2, out2=hg, ldo2=h,
-                 aux=z, ldaux=H2, gates=gates, topk=K, part=part, part_ld=tiles_nh)
-    del z
+    blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
+    gated = H2 != h
+    slices = h_slices(h, d) if carry is None else [(0, h)]
+    hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
+    for c0, c1 in slices:
+        w = c1 - c0
+        hg = hgbuf[:LK * w].reshape(LK, w)
+        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d, B=w2[:, :, c0:],
+                     ldb=h, b_estride=d * h, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
+                     out=dz[:, c0:], ldo=H2, o_estride=h if gated else 0, out2=hg, ldo2=w, aux=z[:, c0:],
+                     ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
+        if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
+            _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
+        else:
+            _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
+                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
+    del z, hg, hgbuf
     warps = 8
     b2 = saved.b2
     kern.fn(f"blz::moe_dgates<{kern.ct}>")(
@@ -342,17 +361,6 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         stream=stream,
     )
     del part
-    blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
-    # dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order
-    if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
-        _launch_gemm(kern, "dw2", E * -(-h // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=h, B=dy, ldb=d,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=h, N=d, Kd=0, out=dw2, ldo=h,
-                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
-    else:
-        _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=hg, ldb=h,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h,
-                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
-    del hg
     # dw13_e = dz^T x_g
     _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
                  b_estride=0,
@@ -390,12 +398,23 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     del dz, dxs
 
 
-def dx_slices(d: int, kd: int, align: int = 256) -> list[tuple[int, int]]:
-    """Column slices [c0, c1) of dx for the per-slot dx rows (L*K, width) of the backward: one slice unless d is
-    more than twice the reduction width kd (= dz's row, 2h gated); then as few slices as keep each at most 2 kd
-    wide, widths a multiple of ``align`` (whole 256-column tiles) but the last. The extra cost is one more pass
-    over dz per slice, small exactly when dz is narrow."""
-    k = max(1, -(-d // (2 * kd)))
-    per = -(-d // k)
+def _col_slices(n: int, max_width: int, align: int = 256) -> list[tuple[int, int]]:
+    """[c0, c1) covering [0, n): as few slices as keep each at most max(max_width, align) wide, widths a multiple of
+    ``align`` (whole 256-column tiles) but the last."""
+    k = max(1, -(-n // max(max_width, 1)))
+    per = -(-n // k)
     w = -(-per // align) * align
-    return [(c, min(d, c + w)) for c in range(0, d, w)]
+    return [(c, min(n, c + w)) for c in range(0, n, w)]
+
+
+def dx_slices(d: int, kd: int) -> list[tuple[int, int]]:
+    """Column slices of dx for the per-slot dx rows (L*K, width) of the backward: one slice unless d is more than
+    twice the reduction width kd (= dz's row, 2h gated); then slices at most 2 kd wide. The extra cost is one more
+    pass over dz per slice, small exactly when dz is narrow."""
+    return _col_slices(d, 2 * kd)
+
+
+def h_slices(h: int, d: int) -> list[tuple[int, int]]:
+    """Column slices of h for the backward's dh' GEMM and dw2 (the g * hcur rows (L*K, width)): one slice unless h
+    is wider than d; then slices at most d wide. Each extra slice gathers the dy rows (width d) once more."""
+    return _col_slices(h, d)

@@ -145,11 +145,12 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
             t.alloc(4 * E * d)
         t.alloc(4 * E)
     if L:
-        from ._moe_gpu import dx_slices
+        from ._moe_gpu import dx_slices, h_slices
 
         tiles = t.alloc(4 * (E + 1))
         zc = t.alloc(LKc * R * b) if (checkpoint == "none" or retain) else 0  # recomputed z, or dz beside z
-        hg = t.alloc(LKc * h * b)
+        hw = h if len(bounds) > 1 else max(c1 - c0 for c0, c1 in h_slices(h, d))  # g*hcur rows, h-sliced unchunked
+        hg = t.alloc(LKc * hw * b)
         part = t.alloc(4 * LKc * _cdiv(h, bn))
         t.free(part)
         nb = _cdiv(Lc, block_tokens)

@@ -146,9 +146,10 @@ def router():
     rt.route_topk(dev(np.zeros((0, 8), np.float32)), 2)
 
 
-# (L, d, h, E, K, empty experts, skew); the last: d > 4h, so dx runs in 3 column slices (the last partial)
+# (L, d, h, E, K, empty experts, skew); the last two: d > 4h, so dx runs in 3 column slices (the last partial),
+# and h > d, so dh' and dw2 run in 2 column slices of h
 SHAPES = [(77, 64, 48, 5, 2, 1, 1.0), (130, 200, 136, 9, 3, 2, 0.5), (1, 16, 8, 4, 4, 0, 0.0),
-          (45, 536, 24, 4, 2, 0, 0.3)]
+          (45, 536, 24, 4, 2, 0, 0.3), (40, 24, 304, 3, 2, 0, 0.3)]
 
 
 def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swiglu", "gelu")):

@@ -57,6 +57,8 @@ CASES = [
     Case("tiles", 515, 96, 80, 8, 2, "skewed"),  # L*K = 1030: not a tile multiple; d, 2h not powers of two
     # d far wider than dz's rows: the GPU backward computes dx in column slices (the last one partial)
     Case("wide_d", 150, 1064, 40, 8, 2, "skewed"),
+    # h far wider than d: the GPU backward runs dh' and dw2 in column slices of h (the last one partial)
+    Case("wide_h", 120, 40, 600, 6, 2, "skewed"),
 ]
 CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
 DTYPE_PARAMS = [pytest.param(k, id=k) for k in DTYPES]
@@ -310,20 +312,37 @@ def test_dx_slices():
         assert len(sl) == 1 or max(c1 - c0 for c0, c1 in sl) <= max(2 * kd, 256)
 
 
+def test_h_slices():
+    from blazecore._moe_gpu import h_slices
+
+    assert h_slices(1024, 2048) == [(0, 1024)]
+    assert h_slices(14336, 4096) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
+    assert h_slices(600, 40) == [(0, 256), (256, 512), (512, 600)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("bf16", "f32")])
 @pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
-def test_dx_slices_bit_identical_gpu(activation, monkeypatch):
-    """dx computed in column slices has the bits of the one-slice computation (each element's sum is the same)."""
+@pytest.mark.parametrize("which", ["dx", "h"])
+def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
+    """dx (column slices of d) and dh' / dw2 (column slices of h) computed in slices have the bits of the one-slice
+    computation: each element's sum is the same."""
     from blazecore import _moe_gpu
 
-    case = next(c for c in CASES if c.name == "wide_d")
-    dev = _on(_inputs(case, "bf16", activation, True), "gpu")
-    assert len(_moe_gpu.dx_slices(case.d, (2 if activation == "swiglu" else 1) * case.h)) > 1
-    sliced = _run(dev, activation)[2]
-    monkeypatch.setattr(_moe_gpu, "dx_slices", lambda d, kd: [(0, d)])
-    whole = _run(dev, activation)[2]
-    for key in GRAD_KEYS:
-        assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), key
+    case = next(c for c in CASES if c.name == ("wide_d" if which == "dx" else "wide_h"))
+    dev = _on(_inputs(case, dname, activation, True), "gpu")
+    R = (2 if activation == "swiglu" else 1) * case.h
+    if which == "dx":
+        assert len(_moe_gpu.dx_slices(case.d, R)) > 1
+    else:
+        assert len(_moe_gpu.h_slices(case.h, case.d)) > 1
+    for checkpoint in ("ab", "none"):
+        sliced = _run(dev, activation, checkpoint)[2]
+        with monkeypatch.context() as m:
+            m.setattr(_moe_gpu, f"{which}_slices", lambda n, _k: [(0, n)])
+            whole = _run(dev, activation, checkpoint)[2]
+        for key in GRAD_KEYS:
+            assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), f"{checkpoint} {key}"
 
 
 @pytest.mark.parametrize("backend", backends())

@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     const int* __restrict__ offsets,                  // (E+1) expert_offsets
     const int* __restrict__ tile_offsets,             // (E+1) cumulative m-tiles per expert (MODE_M)
     int num_experts, int M, int N, int Kd,            // MODE_M: M = L*K, N = output cols, Kd = reduction
-    T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z)
+    T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z; its
+                                                      // o_estride: z / dz up-half offset, 0 = N)
     T* __restrict__ out2, long long ldo2,
     const T* aux, long long ldaux,                    // z (pre-activations) read by EPI_DHCUR
     const T* __restrict__ bias, long long bias_estride,
@@ -334,6 +335,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
         }
       }
   } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h); out = dz (may alias aux = z), out2 = g * hcur
+    // a nonzero o_estride is the up half's column offset in z / dz (a launch over a column slice of h); 0: N
+    const int zup = o_estride ? static_cast<int>(o_estride) : N;
 #pragma unroll
     for (int i = 0; i < MF; ++i)
 #pragma unroll
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           for (int f = 0; f < NF; ++f) {
             const int n = tn * BN + wn * WN + f * 8 + 2 * q;
             if (n < N)
-              psum += epi_dhcur<T, ACT>(aux, ldaux, N, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
+              psum += epi_dhcur<T, ACT>(aux, ldaux, zup, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
                                         acc[i][f][2 * h + 1], gs);
           }
         }

@@ -352,7 +352,9 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 }  // namespace sm90
 
 // ---- the kernel ----------------------------------------------------------------------------------------
-// Same parameter list as moe_gemm (MODE_M); M and o_estride are unused here. T is __nv_bfloat16 or __half.
+// Same parameter list as moe_gemm (MODE_M); M is unused here, and so is o_estride but for EPI_DHCUR, where a
+// nonzero o_estride is the column offset of z's and dz's up half (a launch over a column slice of h passes h;
+// 0 means N). T is __nv_bfloat16 or __half.
 // Launch: grid = exactly (ceil(L*K / 128) + E) * tiles_n with tiles_n = ceil(N / (GATED ? BN/2 : BN)),
 // block = sm90::THREADS (384), dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES.
 template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256>
@@ -407,6 +409,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   const int m_end = __ldg(offsets + e + 1);
   const int num_kt = (Kd + BK - 1) / BK;
   const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+  const long long zup = (EPI == EPI_DHCUR && o_estride) ? o_estride : N;  // EPI_DHCUR: z / dz up-half offset
 
   if (tid == 0) {
 #pragma unroll
@@ -473,7 +476,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           for (int c = 0; c < BN / 64; ++c) {
             if (n0 + 64 * c < N) {
               sm90::prefetch_l2(zr + 64 * c);
-              if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + N + 64 * c);
+              if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + zup + 64 * c);
             }
           }
         }
@@ -659,7 +662,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const bool ok = s < m_end && nc < N;
         const T* zr = aux + (long long)s * ldaux + nc;
         sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
-        if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + N : aux, ok ? 16 : 0);
+        if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
       }
       sm90::cp_async_wait_all();
       __syncwarp();
@@ -711,7 +714,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         if (s < m_end && nc < N) {
           T* dzr = out + (long long)s * ldo + nc;
           *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
-          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + N) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
+          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
           *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
         }
       }
