@@ -7,7 +7,7 @@ can be captured in a CUDA graph.
 
 Buffers of one forward (L*K = number of (token, expert) slots, H2 = 2h gated or h):
   held for the backward:  checkpoint "ab": z (L*K, H2)       checkpoint "none": nothing
-  transient:              hcur (L*K, h), o = g * (hcur w2^T) (L*K, d)
+  transient:              hcur (L*K, h), o = g * (hcur w2^T) (L*K, w), w the widest column slice of y (o_slices)
 and of one backward (all transient): z (policy "none"), dz (L*K, H2), g*hcur (L*K, h),
 dgates partials (L*K, ceil(h/BN)) fp32, per-slot dx rows (L*K, w), w the widest column slice of dx (the whole d
 unless d > 2 * dz's row width: see dx_slices).
@@ -228,15 +228,23 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, activation, b13, b2, y, z, str
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     hbuf = _array.empty_gpu((LK, h), dt).view
     _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z, stream)
-    obuf = _array.empty_gpu((LK, d), dt).view
-    _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", d)), stream, A=hbuf, lda=h, B=w2, ldb=h,
-                 b_estride=d * h,
-                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=d, Kd=h, out=obuf, ldo=d,
-                 bias=b2, bias_estride=d, gates=gates, topk=K)
-    del hbuf
-    kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
-                                            (obuf, disp.pair_slot, np.int32(K), np.int32(d), y, np.int64(d)),
-                                            stream=stream)
+    # o = g * (hcur w2^T) per slot, then the deterministic combine into y, in column slices of d (o_slices): each
+    # element is computed as in one slice, and the per-slot rows take (L*K, width) beside hcur
+    sl = o_slices(d)
+    obuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in sl),), dt).view
+    for i, (c0, c1) in enumerate(sl):
+        w = c1 - c0
+        rows = obuf[:LK * w].reshape(LK, w)
+        _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=hbuf, lda=h,
+                     B=w2[:, c0:], ldb=h, b_estride=d * h,
+                     disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=h, out=rows, ldo=w,
+                     bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
+        if i == len(sl) - 1:
+            del hbuf
+        kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
+                                                (rows, disp.pair_slot, np.int32(K), np.int32(w), y[:, c0:],
+                                                 np.int64(d)),
+                                                stream=stream)
 
 
 class _Carry:
@@ -405,6 +413,16 @@ def _col_slices(n: int, max_width: int, align: int = 256) -> list[tuple[int, int
     per = -(-n // k)
     w = -(-per // align) * align
     return [(c, min(n, c + w)) for c in range(0, n, w)]
+
+
+O_SLICE_COLS = 1024  # widest column slice of the forward's per-slot output rows o
+
+
+def o_slices(d: int) -> list[tuple[int, int]]:
+    """Column slices of y for the forward's per-slot output rows o = g * (hcur w2^T) (L*K, width): at most
+    O_SLICE_COLS wide, so o beside hcur (L*K, h) stays small when d is wide. Each slice reads the hcur rows once
+    more; the w2 GEMM already reads them once per 256-column tile, so the cost is a launch and a tile tail."""
+    return _col_slices(d, O_SLICE_COLS)
 
 
 def dx_slices(d: int, kd: int) -> list[tuple[int, int]]:

@@ -9,7 +9,8 @@ it tracks the code rather than a closed formula; bench/bench_scale.py checks it 
 
 For L*K slots (Lc*K in the largest chunk), R = 2h (gated) or h, b = bytes per element, the terms are:
 
-    forward peak  = y (L d b) + dispatch (~12 L K) + z_ab (L K R b) + chunk [hcur (Lc K h b) + o (Lc K d b)]
+    forward peak  = y (L d b) + dispatch (~12 L K) + z_ab (L K R b) + chunk [hcur (Lc K h b) + o (Lc K w b)]
+                    (w: the widest column slice of o, at most 1024)
     backward peak = y + dispatch + z_ab + grads (L d b + E R d b + E d h b + 4 L K) + carry (c > 1: 4 E (R d + d h))
                     + chunk [z_none (Lc K R b) + max(hg (Lc K h b) + part, dx rows (Lc K d b))]
 
@@ -123,7 +124,9 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
     if L:
         tiles = t.alloc(4 * (E + 1))
         hbuf = t.alloc(LKc * h * b)
-        obuf = t.alloc(LKc * d * b)
+        from ._moe_gpu import o_slices
+
+        obuf = t.alloc(LKc * max(c1 - c0 for c0, c1 in o_slices(d)) * b)  # per-slot output rows, column-sliced
         t.free(hbuf, obuf, tiles)
     forward_peak = t.peak
     held = disp + z

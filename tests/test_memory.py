@@ -133,7 +133,7 @@ def test_model_terms(checkpoint):
     b, LK = 2, L * K
     z = LK * 2 * h * b if checkpoint == "ab" else 0
     disp = 512 + 3 * 4 * LK
-    fwd = L * d * b + disp + z + 512 + LK * h * b + LK * d * b
+    fwd = L * d * b + disp + z + 512 + LK * h * b + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
     grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
     zc = LK * 2 * h * b if checkpoint == "none" else 0
     bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * h * b + 4 * LK * 4, LK * d * b)

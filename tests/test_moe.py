@@ -312,6 +312,18 @@ def test_dx_slices():
         assert len(sl) == 1 or max(c1 - c0 for c0, c1 in sl) <= max(2 * kd, 256)
 
 
+def test_o_slices():
+    from blazecore._moe_gpu import O_SLICE_COLS, o_slices
+
+    assert o_slices(1024) == [(0, 1024)]
+    assert o_slices(4096) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert o_slices(1064) == [(0, 768), (768, 1064)]
+    for d in (8, 1000, 1536, 2048, 5000, 7168):
+        sl = o_slices(d)
+        assert sl[0][0] == 0 and sl[-1][1] == d and all(a[1] == b[0] for a, b in zip(sl[:-1], sl[1:], strict=True))
+        assert all((c1 - c0) % 256 == 0 for c0, c1 in sl[:-1]) and max(c1 - c0 for c0, c1 in sl) <= O_SLICE_COLS
+
+
 def test_h_slices():
     from blazecore._moe_gpu import h_slices
 
@@ -323,24 +335,27 @@ def test_h_slices():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("bf16", "f32")])
 @pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
-@pytest.mark.parametrize("which", ["dx", "h"])
+@pytest.mark.parametrize("which", ["o", "dx", "h"])
 def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
-    """dx (column slices of d) and dh' / dw2 (column slices of h) computed in slices have the bits of the one-slice
-    computation: each element's sum is the same."""
+    """y and its per-slot rows (column slices of d in the forward), dx (column slices of d) and dh' / dw2 (column
+    slices of h) computed in slices have the bits of the one-slice computation: each element's sum is the same."""
     from blazecore import _moe_gpu
 
-    case = next(c for c in CASES if c.name == ("wide_d" if which == "dx" else "wide_h"))
+    case = next(c for c in CASES if c.name == ("wide_h" if which == "h" else "wide_d"))
     dev = _on(_inputs(case, dname, activation, True), "gpu")
     R = (2 if activation == "swiglu" else 1) * case.h
     if which == "dx":
         assert len(_moe_gpu.dx_slices(case.d, R)) > 1
+    elif which == "o":
+        assert len(_moe_gpu.o_slices(case.d)) > 1
     else:
         assert len(_moe_gpu.h_slices(case.h, case.d)) > 1
     for checkpoint in ("ab", "none"):
-        sliced = _run(dev, activation, checkpoint)[2]
+        y_sliced, _, sliced = _run(dev, activation, checkpoint)
         with monkeypatch.context() as m:
-            m.setattr(_moe_gpu, f"{which}_slices", lambda n, _k: [(0, n)])
-            whole = _run(dev, activation, checkpoint)[2]
+            m.setattr(_moe_gpu, f"{which}_slices", lambda n, *_k: [(0, n)])
+            y_whole, _, whole = _run(dev, activation, checkpoint)
+        assert _bytes(y_sliced) == _bytes(y_whole), f"{checkpoint} y"
         for key in GRAD_KEYS:
             assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), f"{checkpoint} {key}"
 
