@@ -2,8 +2,9 @@
 
 Every function here takes validated CuPy views (bf16 as uint16 storage), launches on ``stream`` and never
 synchronises with the host: tile counts per expert live on the device (``moe_tile_offsets``), grids are
-sized by the upper bound ``ceil(L*K / BM) + E`` and surplus tiles exit at once, so forward and backward
-can be captured in a CUDA graph.
+sized by the upper bound ``ceil(L*K / BM) + E`` and surplus tiles exit at once (the persistent sm_90a M-grouped
+kernels get one CTA per SM and read the tile count on the device), so forward and backward can be captured in a
+CUDA graph.
 
 Buffers of one forward (L*K = number of (token, expert) slots, H2 = 2h gated or h):
   held for the backward:  checkpoint "ab": z (L*K, H2)       checkpoint "none": nothing
@@ -90,9 +91,33 @@ def _module_names90(ct, act):
     return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
 
 
-def _smem90(bn=BN90):
+def _smem90(bn=BN90, staging=True):
+    """sm90::Cfg<bn, staging>::SMEM_BYTES: alignment slack, the stage ring, then for the M-grouped kernels (staging)
+    8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1 epilogue-done and 8 tile-descriptor ones
+    with staging; the end rounded to 16 bytes) and, with staging, 8 tile descriptors of 16 bytes."""
     stages = 4 if bn == 256 else 6
-    return 1024 + stages * (128 + bn) * 128 + 16 * stages
+    nbar = 2 * stages + (9 if staging else 0)
+    epi = 8 * 4096 if staging else 0
+    return 1024 + stages * (128 + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
+
+
+# The sm_90a M-grouped kernels: shared memory with the epilogue staging area, launched persistent (one CTA per SM).
+# EPI_ACT and EPI_ROWSCALE stage their epilogue outside the stage ring, so the producer fills the next tile's
+# stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
+_M_GROUPED = {"gemm1", "gemm2", "dhcur", "dx"}
+_PERSISTENT = _M_GROUPED
+_SM_COUNT: dict[int, int] = {}
+
+
+def _persistent_grid(grid):
+    """At most one CTA per SM of the current device: each walks the device-side tile list of the sm_90a M-grouped
+    kernel with a stride of the grid (any grid is correct; the full one gives each CTA one tile)."""
+    import cupy as cp
+
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return max(1, min(int(grid), _SM_COUNT[dev]))
 
 
 _compile.register_kernels(
@@ -132,9 +157,10 @@ class _Kernels:
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
+            smem = _smem90(staging=which in _M_GROUPED)
             fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in), module_names=names,
-                                       max_dynamic_smem=_smem90())
-            return fn, _smem90(), NTHREADS90, BN90
+                                       max_dynamic_smem=smem)
+            return fn, smem, NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
         return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
 
@@ -153,6 +179,8 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
                  carry_seen=None):
     # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
     fn, smem, threads, _ = kern.gemm(which, carry_in=carry is not None and bool(flags & 1))
+    if kern.sm90 and which in _PERSISTENT:
+        grid = _persistent_grid(grid)
     fn(
         (int(grid),), (threads,),
         (

@@ -2,8 +2,11 @@
 //
 //   C[s, n] = sum_k A[row(s), k] * B_e[n, k]   for the slots s of expert e, row(s) = slot_token[s] (A_GATHER) or s
 //
-// A CTA owns (expert e, m-tile of the slot range [offsets[e], offsets[e+1]), n-tile), found through
-// tile_offsets with find_expert exactly as moe_gemm does; surplus CTAs of the upper-bound grid exit.
+// A tile is (expert e, m-tile of the slot range [offsets[e], offsets[e+1]), n-tile), found through tile_offsets
+// with find_expert as moe_gemm does. The CTAs are persistent: each walks the tile list (its length read on the
+// device) with a stride of gridDim.x; the producer runs into the next tile's k-tiles while the consumers finish
+// the current tile's epilogue (EPI_ACT and EPI_ROWSCALE stage it outside the ring; EPI_DHCUR stages it in the
+// ring, so there the producer waits for the epilogue).
 //
 // CTA = 3 warpgroups (384 threads):
 //   warpgroup 0     producer: 16-byte cp.async copies of the gathered A rows and of the B tile into a
@@ -59,14 +62,24 @@ constexpr int THREADS = 128 * (1 + CONSUMER_WGS);
 constexpr int PRODUCER_REGS = 72;  // setmaxnreg: 128 x 72 + 256 x 216 = 64512 = 384 x 168
 constexpr int CONSUMER_REGS = 216;
 
-template <int BN> struct Cfg {
+constexpr int EPI_WARP_BYTES = 4096;  // per consumer warp: epilogue staging outside the stage ring
+constexpr int INFO_SLOTS = 8;          // tile descriptors in flight from the producer to the consumers
+
+// Shared memory (base aligned to 1024): the stage ring, the consumer warps' epilogue staging, then the
+// mbarriers (STAGES full, STAGES empty, 1 epilogue-done, INFO_SLOTS tile-info; 16-byte aligned end) and the
+// INFO_SLOTS tile descriptors (16 bytes each). STAGING = false (the weight-gradient kernel): no epilogue staging, no tile descriptors.
+template <int BN, bool STAGING = true> struct Cfg {
   static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
   static constexpr int STAGES = (BN == 256) ? 4 : 6;
   static constexpr int A_BYTES = BM * ROW_BYTES;     // 16 KB
   static constexpr int B_BYTES = BN * ROW_BYTES;     // 32 KB (BN = 256) or 16 KB
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;        // STAGES full + STAGES empty mbarriers
-  static constexpr int SMEM_BYTES = 1024 + BAR_OFFSET + 16 * STAGES;  // + slack to align the base to 1024
+  static constexpr int EPI_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int BAR_OFFSET = EPI_OFFSET + (STAGING ? 4 * CONSUMER_WGS * EPI_WARP_BYTES : 0);
+  static constexpr int NINFO = STAGING ? INFO_SLOTS : 0;
+  static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + (STAGING ? 1 : 0) + NINFO) + 15) & ~15);
+  static constexpr int SMEM_BYTES = 1024 + INFO_OFFSET + 16 * NINFO;  // + slack to align the base to 1024
+  static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
 // ---- PTX wrappers ------------------------------------------------------------------------------------
@@ -314,15 +327,25 @@ __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+// Byte offset of 16-byte chunk ch of row rl in a staging array of CPR chunks per row. The chunk index is XORed
+// with a row hash so that the fragment's 4-byte accesses (8 rows x 4 lanes, one chunk column) are free of bank
+// conflicts: rows of >= 128 bytes use row % 8; 64-byte rows (two per 128 bytes) use (row / 2) % 4.
+template <int CPR> __device__ __forceinline__ unsigned stage_off(int rl, int ch) {
+  static_assert(CPR == 4 || CPR == 8 || CPR == 16 || CPR == 32, "staging rows of 64 to 512 bytes");
+  constexpr int SW = CPR < 8 ? CPR : 8, RP = 8 / SW;
+  return static_cast<unsigned>(rl * CPR * 16 + ((ch ^ ((rl / RP) % SW)) << 4));
+}
 // Consumer mainloop shared by both kernels: for each k-tile, wait for its stage, order the cp.async writes
 // before the async-proxy reads, issue the tile's wgmmas (issue(stage byte offset >> 4, kt)), keep one wgmma
 // group in flight and release the previous stage to the producer. Ends with every group complete; an empty
 // reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
+// stage / phase: the ring position of the first k-tile, advanced past the last; every stage read is released,
+// so a persistent CTA continues with the next tile's k-tiles.
 template <int STAGES, int R, class F>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
-                                                  int t, int stage_bytes, F&& issue, bool keep_acc = false) {
-  int stage = 0, prev = 0;
-  unsigned phase = 0;
+                                                  int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
+                                                  bool keep_acc = false) {
+  int prev = 0;
   for (int kt = 0; kt < num_kt; ++kt) {
     mbar_wait(full0 + 8 * stage, phase);
 #if !BLZ_SM90_PRODUCER_FENCE
@@ -343,6 +366,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   }
   wgmma_wait<0>();
   fence_regs(acc);
+  if (num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
   if (num_kt == 0 && !keep_acc) {
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.f;
@@ -355,8 +379,9 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 // Same parameter list as moe_gemm (MODE_M); M is unused here, and so is o_estride but for EPI_DHCUR, where a
 // nonzero o_estride is the column offset of z's and dz's up half (a launch over a column slice of h passes h;
 // 0 means N). T is __nv_bfloat16 or __half.
-// Launch: grid = exactly (ceil(L*K / 128) + E) * tiles_n with tiles_n = ceil(N / (GATED ? BN/2 : BN)),
-// block = sm90::THREADS (384), dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES.
+// Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
+// BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
+// sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
 template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const T* __restrict__ A, long long lda,
@@ -387,28 +412,26 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+  const unsigned epi_done = empty0 + 8 * STAGES;  // EPI_DHCUR: the consumer warps are done with the ring
+  const unsigned info_full0 = epi_done + 8;       // tile descriptor li % INFO_SLOTS is written
+  const unsigned info0 = sbase + C::INFO_OFFSET;  // descriptors {e, m0, m_end, tn}, 16 bytes each
 
   const int tid = threadIdx.x;
 
-  // ---- which tile (as moe_gemm MODE_M) ---------------------------------------------------------------
-  // Grouped rasterization: consecutive CTAs walk GROUP_M m-tiles down one n-tile, then the next n-tile, so the
-  // CTAs resident at a time share a few B (weight) slices and a few A row blocks in L2; with tmg-major order
-  // an expert whose weights exceed L2 (e.g. h = 14336) would stream them from DRAM once per m-tile.
-  // The grid is exactly (m-tile bound) * tiles_n (see the launch line above).
+  // ---- tile schedule -----------------------------------------------------------------------------------
+  // Persistent CTAs: CTA b takes the tiles b, b + gridDim.x, b + 2 gridDim.x, ... of the list of the
+  // tile_offsets[E] * tiles_n tiles that exist (the count is read on the device). Grouped rasterization: tile
+  // number v walks GROUP_M m-tiles down one n-tile, then the next n-tile, so the CTAs working at a time share
+  // a few B (weight) slices and a few A row blocks in L2; with tmg-major order an expert whose weights exceed
+  // L2 (e.g. h = 14336) would stream them from DRAM once per m-tile. The producer decodes each tile and hands
+  // it to the consumers through a shared-memory descriptor, so the decode (a binary search over
+  // tile_offsets) stays off the consumers' path; it runs ahead into the next tile's k-tiles while the
+  // consumers finish the current one.
   constexpr int GROUP_M = 16;
   const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
-  const int bid = static_cast<int>(blockIdx.x);
-  const int mt_total = static_cast<int>(gridDim.x) / tiles_n;
-  const int grp = bid / (GROUP_M * tiles_n), first = grp * GROUP_M;
-  const int gsz = min(GROUP_M, mt_total - first), local = bid - first * tiles_n;
-  const int tmg = first + local % gsz;
-  const int tn = local / gsz;
-  if (tmg >= __ldg(tile_offsets + num_experts)) return;  // surplus tile of the upper-bound grid
-  const int e = find_expert(tile_offsets, num_experts, tmg);
-  const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
-  const int m_end = __ldg(offsets + e + 1);
-  const int num_kt = (Kd + BK - 1) / BK;
-  const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+  const int mt_total = __ldg(tile_offsets + num_experts);
+  const int total = mt_total * tiles_n;
+  const int num_kt = (Kd + BK - 1) / BK;  // >= 1 (Kd > 0 for every M-grouped GEMM)
   const long long zup = (EPI == EPI_DHCUR && o_estride) ? o_estride : N;  // EPI_DHCUR: z / dz up-half offset
 
   if (tid == 0) {
@@ -417,6 +440,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       sm90::mbar_init(full0 + 8 * s, 128);                       // one arrival per producer thread
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
+    sm90::mbar_init(epi_done, 4 * sm90::CONSUMER_WGS);
+#pragma unroll
+    for (int i = 0; i < sm90::INFO_SLOTS; ++i) sm90::mbar_init(info_full0 + 8 * i, 1);
   }
   __syncthreads();
 
@@ -424,110 +450,135 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     // ================================ producer warpgroup ================================
     sm90::setmaxnreg_dec<sm90::PRODUCER_REGS>();
     // A: 8 threads per 128-byte row, rows r0 + 16 i; the swizzled chunk position is the same for all i.
-    // Source rows are kept as 32-bit row indices (-1: past the expert's slots, zero-filled).
     const int cc = tid & 7, r0 = tid >> 3;
     const unsigned a_sw = static_cast<unsigned>((cc ^ (r0 & 7)) << 4);
-    int a_row[BM / 16];
-#pragma unroll
-    for (int i = 0; i < BM / 16; ++i) {
-      const int s = m0 + r0 + 16 * i;
-      a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
-    }
-    // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
-    // the up rows N + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
-    // offsets (within expert e) of this thread's first gate (or plain) row and first up row.
-    // B N-major: CPR 16-byte chunks per k-row, RPP k-rows per pass; chunk column cn; b_off0: element
-    // offset of (k-row rb, this chunk's global column); b_ok: that column is in range.
+    // B N-major: CPR 16-byte chunks per k-row, RPP k-rows per pass; chunk column cn.
     constexpr int CPR = BN / EPC, RPP = 128 / CPR;
     const int cn = tid % CPR, rb = tid / CPR;
-    unsigned b_ok = 0;
-    long long b_off0 = 0, b_off1 = 0;
-    if constexpr (B_KMAJOR) {
-      constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
-      b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
-      b_off1 = (long long)(N + n0 + r0) * ldb + cc * EPC;
-    } else {
-      int n, col;
-      if constexpr (GATED) {
-        n = n0 + (cn % (CPR / 2)) * EPC;
-        col = (cn < CPR / 2) ? n : N + n;
-      } else {
-        n = n0 + cn * EPC;
-        col = n;
-      }
-      b_ok = n < N ? 1u : 0u;
-      b_off0 = (long long)rb * ldb + col;
-    }
     const unsigned b_atom = static_cast<unsigned>((cn >> 3) * (BK * ROW_BYTES)), b_j = cn & 7;
-    const T* Be = B + (long long)e * b_estride;
-
-    // EPI_DHCUR reads the tile's z rows after the mainloop: pull them into L2 2 * STAGES k-tiles before its end
-    // (thread p: row m0 + p; 128-byte lines of the gate columns [n0, n0 + BN) and, gated, the up columns).
-    const int pf_kt = EPI == EPI_DHCUR ? max(0, num_kt - 2 * STAGES) : -1;
-    int stage = 0;
+    int stage = 0, it = 0;  // ring position and k-tile count over all of this CTA's tiles
     unsigned phase = 0;
-    for (int kt = 0; kt < num_kt; ++kt) {
-      if constexpr (EPI == EPI_DHCUR) {
-        if (kt == pf_kt && m0 + tid < m_end) {
-          const T* zr = aux + (long long)(m0 + tid) * ldaux + n0;
+    int li = 0;
+    for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
+      const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
+      const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
+      const int tmg = first + local % gsz, tn = local / gsz;
+      const int e = find_expert(tile_offsets, num_experts, tmg);
+      const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
+      const int m_end = __ldg(offsets + e + 1);
+      const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+      if (tid == 0) {
+        // slot li % INFO_SLOTS was last read by the consumers before they released the k-tiles of tile
+        // li - INFO_SLOTS, which this thread has waited for (INFO_SLOTS >= STAGES + 1)
+        const uint4 desc = make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0), static_cast<unsigned>(m_end),
+                                      static_cast<unsigned>(tn));
+        sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), desc);
+        sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+      }
+      // Source rows are kept as 32-bit row indices (-1: past the expert's slots, zero-filled).
+      int a_row[BM / 16];
 #pragma unroll
-          for (int c = 0; c < BN / 64; ++c) {
-            if (n0 + 64 * c < N) {
-              sm90::prefetch_l2(zr + 64 * c);
-              if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + zup + 64 * c);
+      for (int i = 0; i < BM / 16; ++i) {
+        const int s = m0 + r0 + 16 * i;
+        a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+      }
+      // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
+      // the up rows N + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
+      // offsets (within expert e) of this thread's first gate (or plain) row and first up row.
+      // B N-major: b_off0: element offset of (k-row rb, this chunk's global column); b_ok: column in range.
+      unsigned b_ok = 0;
+      long long b_off0 = 0, b_off1 = 0;
+      if constexpr (B_KMAJOR) {
+        constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
+        b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
+        b_off1 = (long long)(N + n0 + r0) * ldb + cc * EPC;
+      } else {
+        int n, col;
+        if constexpr (GATED) {
+          n = n0 + (cn % (CPR / 2)) * EPC;
+          col = (cn < CPR / 2) ? n : N + n;
+        } else {
+          n = n0 + cn * EPC;
+          col = n;
+        }
+        b_ok = n < N ? 1u : 0u;
+        b_off0 = (long long)rb * ldb + col;
+      }
+      const T* Be = B + (long long)e * b_estride;
+      // EPI_DHCUR stages its epilogue in the ring: the previous tile's must be done before the ring refills
+      if constexpr (EPI == EPI_DHCUR) {
+        if (li > 0) sm90::mbar_wait(epi_done, static_cast<unsigned>(li - 1) & 1u);
+      }
+
+      // EPI_DHCUR reads the tile's z rows after the mainloop: pull them into L2 2 * STAGES k-tiles before its
+      // end (thread p: row m0 + p; 128-byte lines of the gate columns [n0, n0 + BN) and, gated, the up columns).
+      const int pf_kt = EPI == EPI_DHCUR ? max(0, num_kt - 2 * STAGES) : -1;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        if constexpr (EPI == EPI_DHCUR) {
+          if (kt == pf_kt && m0 + tid < m_end) {
+            const T* zr = aux + (long long)(m0 + tid) * ldaux + n0;
+#pragma unroll
+            for (int c = 0; c < BN / 64; ++c) {
+              if (n0 + 64 * c < N) {
+                sm90::prefetch_l2(zr + 64 * c);
+                if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + zup + 64 * c);
+              }
             }
           }
         }
-      }
-      if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
-      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
-      const int k0 = kt * BK;
-      const int kc = k0 + cc * EPC;
-      const bool kok = kc < Kd;
+        if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+        const int k0 = kt * BK;
+        const int kc = k0 + cc * EPC;
+        const bool kok = kc < Kd;
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const bool ok = kok && a_row[i] >= 0;
-        sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? A + (long long)a_row[i] * lda + kc : A,
-                           ok ? 16 : 0);
-      }
-      if constexpr (B_KMAJOR) {
-        constexpr int ROWS = GATED ? BN / 32 : BN / 16;
-        const long long step = 16 * ldb;
+        for (int i = 0; i < BM / 16; ++i) {
+          const bool ok = kok && a_row[i] >= 0;
+          sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? A + (long long)a_row[i] * lda + kc : A,
+                             ok ? 16 : 0);
+        }
+        if constexpr (B_KMAJOR) {
+          constexpr int ROWS = GATED ? BN / 32 : BN / 16;
+          const long long step = 16 * ldb;
 #pragma unroll
-        for (int half = 0; half < (GATED ? 2 : 1); ++half) {
-          const T* src = Be + (half ? b_off1 : b_off0) + k0;
+          for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+            const T* src = Be + (half ? b_off1 : b_off0) + k0;
 #pragma unroll
-          for (int i = 0; i < ROWS; ++i, src += step) {
-            const bool ok = kok && ((b_ok >> i) & 1u);
-            sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok ? 16 : 0);
+            for (int i = 0; i < ROWS; ++i, src += step) {
+              const bool ok = kok && ((b_ok >> i) & 1u);
+              sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok ? 16 : 0);
+            }
+          }
+        } else {
+          // k-rows rb + RPP i of BN/64 atoms [64 k][64 n]
+          const long long step = RPP * ldb;
+          const T* src = Be + b_off0 + (long long)k0 * ldb;
+#pragma unroll
+          for (int i = 0; i < BK / RPP; ++i, src += step) {
+            const int r = rb + RPP * i;
+            const bool ok = b_ok && k0 + r < Kd;
+            sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
+                               ok ? src : B, ok ? 16 : 0);
           }
         }
-      } else {
-        // k-rows rb + RPP i of BN/64 atoms [64 k][64 n]
-        const long long step = RPP * ldb;
-        const T* src = Be + b_off0 + (long long)k0 * ldb;
-#pragma unroll
-        for (int i = 0; i < BK / RPP; ++i, src += step) {
-          const int r = rb + RPP * i;
-          const bool ok = b_ok && k0 + r < Kd;
-          sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
-                             ok ? src : B, ok ? 16 : 0);
+        sm90::producer_signal<STAGES>(full0, it, stage);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
         }
       }
-      sm90::producer_signal<STAGES>(full0, kt, stage);
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
     }
-    sm90::producer_drain<STAGES>(full0, num_kt);
+    sm90::producer_drain<STAGES>(full0, it);
   } else {
     // ================================ consumer warpgroups ================================
     sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
     const int cw = (tid >> 7) - 1;  // rows [64 cw, 64 cw + 64) of the tile
     const int t = tid & 127;
+    const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
+    // this warp's epilogue staging (EPI_ACT, EPI_ROWSCALE), outside the ring the producer is refilling
+    const unsigned ep = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
     // No zero-fill before the mainloop (a non-wgmma write of the accumulators would make ptxas
     // serialize the wgmma pipeline, C7515): the first wgmma runs with scale_d = 0 instead.
     float acc[BN / 2];
@@ -537,195 +588,223 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
                                             : sm90::make_desc(sbase + C::A_BYTES, BK * ROW_BYTES, 1024);
     constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * ROW_BYTES) >> 4;  // k16 step, encoded
 
-    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES,
-                                    [&](unsigned long long soff, int kt) {
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks)
-        sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
-                                                           (kt | ks) != 0);
-    });
+    int stage = 0;
+    unsigned phase = 0;
+    int li = 0;
+    for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
+      sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
+      const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
+      const int e = static_cast<int>(ti.x), m0 = static_cast<int>(ti.y), m_end = static_cast<int>(ti.z);
+      const int tn = static_cast<int>(ti.w);
+      const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
 
-    // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) ----------------------
-    const int srow0 = m0 + cw * 64;  // slot of warpgroup row 0
-    if constexpr (EPI == EPI_ACT) {
-      // Staged per warp (16 rows, 16-byte chunks XOR-swizzled by row as in EPI_DHCUR): the activation h and
-      // the pre-activations z (gated: gate and up parts) go out as 16-byte row copies. A tile covers NC output
-      // columns (gated: BN / 2 of h, with the matching gate and up columns of z).
-      constexpr int NC = GATED ? BN / 2 : BN;
-      constexpr int RB = NC * 2, ARR = 16 * RB, NARR = GATED ? 3 : 2;
-      constexpr int CPR = NC / EPC, RPI = 32 / CPR;
-      static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "act staging fits in the stage ring");
-      const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-      T* hout = (flags & 1) ? out : nullptr;
-      T* zout = (flags & 2) ? out2 : nullptr;
-      const int lane = t & 31, wq = t >> 5;
-      const unsigned hs = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
-      const unsigned za = hs + ARR, zb = hs + 2 * ARR;  // zb: gated only
-      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
-      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-      if constexpr (GATED) {
-        sm90::wg_for_each_gated_pair<BN>(acc, t, [&](int, int r, int c, float a0, float a1, float b0, float b1) {
-          const unsigned off = chunk_off(r - 16 * wq, c >> 3) + (c & 7) * 2;
-          if (be && n0 + c < N) {
-            float x0, x1, y0, y1;
-            load2<T>(be + n0 + c, x0, x1);
-            load2<T>(be + N + n0 + c, y0, y1);
-            a0 += x0; a1 += x1; b0 += y0; b1 += y1;
-          }
-          sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
-          sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
-          sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
-        });
-      } else {
-        sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float z0, float z1) {
-          const unsigned off = chunk_off(r - 16 * wq, c >> 3) + (c & 7) * 2;
-          if (be && n0 + c < N) {
-            float x0, x1;
-            load2<T>(be + n0 + c, x0, x1);
-            z0 += x0; z1 += x1;
-          }
-          sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
-          sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
-        });
-      }
-      __syncwarp();
-      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
-      const int wrow0 = srow0 + 16 * wq;
-#pragma unroll 4
-      for (int i = 0; i < 16 / RPI; ++i) {
-        const int rl = RPI * i + ro, s = wrow0 + rl;
-        if (s < m_end && nc < N) {
-          const unsigned off = chunk_off(rl, co);
-          if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
-          if (zout) {
-            T* zr = zout + (long long)s * ldo2 + nc;
-            *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
-            if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
-          }
-        }
-      }
-    } else if constexpr (EPI == EPI_ROWSCALE) {
-      // (acc + bias) * gate, staged per warp (16 rows x BN, swizzled as in EPI_DHCUR) for 16-byte row stores
-      constexpr int RB = BN * 2, CPR = BN / EPC, RPI = 32 / CPR;
-      static_assert(8 * 16 * RB <= STAGES * C::STAGE_BYTES, "rowscale staging fits in the stage ring");
-      const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-      const int lane = t & 31, wq = t >> 5;
-      const unsigned ws = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * RB);
-      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
-      float gs[2];
+      sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
+                                      [&](unsigned long long soff, int kt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int s = srow0 + sm90::acc_row(2 * h, t);
-        gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
-      }
-      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-      sm90::wg_for_each_pair<BN>(acc, t, [&](int h, int r, int c, float o0, float o1) {
-        const int rl = r - 16 * wq;
-        if (be && n0 + c < N) {
-          float x0, x1;
-          load2<T>(be + n0 + c, x0, x1);
-          o0 += x0; o1 += x1;
-        }
-        sm90::st_shared_u32(ws + chunk_off(rl, c >> 3) + (c & 7) * 2, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+        for (int ks = 0; ks < BK / 16; ++ks)
+          sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
+                                                             (kt | ks) != 0);
       });
-      __syncwarp();
-      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
-#pragma unroll 1
-      for (int i = 0; i < 16 / RPI; ++i) {
-        const int rl = RPI * i + ro, s = srow0 + 16 * wq + rl;
-        if (s < m_end && nc < N)
-          *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(ws + chunk_off(rl, co));
-      }
-    } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
-      // The z rows are read and dz / g*hcur written through the (now idle) stage ring with 16-byte row
-      // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps
-      // = 192 KB of the 196 KB ring). 16-byte chunks are XOR-swizzled by row (chunk ^ (row & 7)), which keeps
-      // both the row copies and the fragment-pattern 4-byte accesses free of bank conflicts.
-      constexpr bool G2 = act_gated(ACT);
-      constexpr int RB = BN * 2;                         // bytes per staged row
-      constexpr int ARR = 16 * RB;                       // bytes per staged 16-row array
-      constexpr int NARR = G2 ? 3 : 2;
-      constexpr int CPR = BN / EPC, RPI = 32 / CPR;      // chunks per row; rows per warp instruction
-      static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "dhcur staging fits in the stage ring");
-      const int lane = t & 31, wq = t >> 5;              // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
-      const unsigned za = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
-      const unsigned zb = za + ARR, hs = za + (NARR - 1) * ARR;
-      auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
-      const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
-      const int wrow0 = srow0 + 16 * wq;
-      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-      // every z chunk of the warp's rows in flight at once (cp.async straight into the staging; zero-filled
-      // past the expert's rows or the last column), then one wait
+
+      // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) --------------------
+      const int srow0 = m0 + cw * 64;     // slot of warpgroup row 0
+      const int wrow0 = srow0 + 16 * wq;  // slot of the warp's first row
+      const int fr = sm90::acc_row(0, t) - 16 * wq, fc = sm90::acc_col(0, t);  // fragment row (in the warp), column
+      if constexpr (EPI == EPI_ACT) {
+        // In passes of P output columns through the warp's staging (16 rows, 16-byte chunks swizzled by
+        // stage_off): the activation h and the pre-activations z (gated: gate and up parts) go out as
+        // 16-byte row copies. A tile covers NC output columns (gated: BN / 2 of h, with the matching gate and
+        // up columns of z).
+        constexpr int NC = GATED ? BN / 2 : BN;
+        constexpr int P = GATED ? 32 : 64, NARR = GATED ? 3 : 2;
+        constexpr int PCPR = P / EPC, ARR = 16 * P * 2, RPI = 32 / PCPR;
+        static_assert(NARR * ARR <= sm90::EPI_WARP_BYTES, "act staging fits in the warp's area");
+        const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+        T* hout = (flags & 1) ? out : nullptr;
+        T* zout = (flags & 2) ? out2 : nullptr;
+        const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
+        const int co = lane % PCPR, ro = lane / PCPR;
 #pragma unroll
-      for (int i = 0; i < 16 / RPI; ++i) {
-        const int rl = RPI * i + ro, s = wrow0 + rl;
-        const bool ok = s < m_end && nc < N;
-        const T* zr = aux + (long long)s * ldaux + nc;
-        sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
-        if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
-      }
-      sm90::cp_async_wait_all();
-      __syncwarp();
-      float gs[2], psum[2] = {0.f, 0.f};
+        for (int p = 0; p < NC / P; ++p) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int s = srow0 + sm90::acc_row(2 * h, t);
-        gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
-      }
-      // The fragment's pairs in batches of JB column groups: the batch's z loads are issued together, so a
-      // warp waits for shared memory once per batch instead of once per pair (the volatile shared-memory
-      // accesses keep program order). Same visiting order as wg_for_each_pair: psum adds in a fixed order.
-      {
-        constexpr int JB = 8;
-        const int r0 = sm90::acc_row(0, t) - 16 * wq, c0 = sm90::acc_col(0, t);
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int jj = 0; jj < P / 8; ++jj) {
+              const int j = p * (P / 8) + jj, c = fc + 8 * j;
+              const unsigned off = sm90::stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2;
+              if constexpr (GATED) {
+                constexpr int UP = BN / 16;  // column groups between a gate column and its up column
+                float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
+                float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
+                if (be && n0 + c < N) {
+                  float x0, x1, y0, y1;
+                  load2<T>(be + n0 + c, x0, x1);
+                  load2<T>(be + N + n0 + c, y0, y1);
+                  a0 += x0; a1 += x1; b0 += y0; b1 += y1;
+                }
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
+                sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
+                sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
+              } else {
+                float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
+                if (be && n0 + c < N) {
+                  float x0, x1;
+                  load2<T>(be + n0 + c, x0, x1);
+                  z0 += x0; z1 += x1;
+                }
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
+                sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
+              }
+            }
+          }
+          __syncwarp();
+          const int nc = n0 + p * P + co * EPC;
+#pragma unroll
+          for (int i = 0; i < 16 / RPI; ++i) {
+            const int rl = RPI * i + ro, s = wrow0 + rl;
+            if (s < m_end && nc < N) {
+              const unsigned off = sm90::stage_off<PCPR>(rl, co);
+              if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
+              if (zout) {
+                T* zr = zout + (long long)s * ldo2 + nc;
+                *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
+                if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
+              }
+            }
+          }
+          __syncwarp();  // every lane has read the staging before the next pass (or tile) rewrites it
+        }
+      } else if constexpr (EPI == EPI_ROWSCALE) {
+        // (acc + bias) * gate, in passes of P columns through the warp's staging for 16-byte row stores
+        constexpr int P = 128, PCPR = P / EPC, RPI = 32 / PCPR;
+        static_assert(16 * P * 2 <= sm90::EPI_WARP_BYTES, "rowscale staging fits in the warp's area");
+        const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+        const int co = lane % PCPR, ro = lane / PCPR;
+        float gs[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int rl = r0 + 8 * h;
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
+        }
 #pragma unroll
-          for (int jb = 0; jb < BN / 8; jb += JB) {
-            unsigned av[JB], bv[JB];
+        for (int p = 0; p < BN / P; ++p) {
 #pragma unroll
-            for (int u = 0; u < JB; ++u) {
-              const int c = c0 + 8 * (jb + u);
-              const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
-              av[u] = sm90::ld_shared_u32(za + off);
-              bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int jj = 0; jj < P / 8; ++jj) {
+              const int j = p * (P / 8) + jj, c = fc + 8 * j;
+              float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
+              if (be && n0 + c < N) {
+                float x0, x1;
+                load2<T>(be + n0 + c, x0, x1);
+                o0 += x0; o1 += x1;
+              }
+              sm90::st_shared_u32(ep + sm90::stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2,
+                                  sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
             }
+          }
+          __syncwarp();
+          const int nc = n0 + p * P + co * EPC;
+#pragma unroll 1
+          for (int i = 0; i < 16 / RPI; ++i) {
+            const int rl = RPI * i + ro, s = wrow0 + rl;
+            if (s < m_end && nc < N)
+              *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) =
+                  sm90::ld_shared_v4(ep + sm90::stage_off<PCPR>(rl, co));
+          }
+          __syncwarp();  // every lane has read the staging before the next pass (or tile) rewrites it
+        }
+      } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
+        // The z rows are read and dz / g*hcur written through the (idle) stage ring with 16-byte row
+        // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps
+        // = 192 KB of the 196 KB ring). 16-byte chunks are XOR-swizzled by row (chunk ^ (row & 7)), which keeps
+        // both the row copies and the fragment-pattern 4-byte accesses free of bank conflicts.
+        constexpr bool G2 = act_gated(ACT);
+        constexpr int RB = BN * 2;                         // bytes per staged row
+        constexpr int ARR = 16 * RB;                       // bytes per staged 16-row array
+        constexpr int NARR = G2 ? 3 : 2;
+        constexpr int CPR = BN / EPC, RPI = 32 / CPR;      // chunks per row; rows per warp instruction
+        static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "dhcur staging fits in the stage ring");
+        const unsigned za = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
+        const unsigned zb = za + ARR, hs = za + (NARR - 1) * ARR;
+        auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
+        const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+        sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+        // every z chunk of the warp's rows in flight at once (cp.async straight into the staging; zero-filled
+        // past the expert's rows or the last column), then one wait
 #pragma unroll
-            for (int u = 0; u < JB; ++u) {
-              const int c = c0 + 8 * (jb + u);
-              const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
-              const int i = sm90::acc_reg(jb + u, h);
-              const float2 a = sm90::unpack2<T>(av[u]);
-              const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
-              const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
-              sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
-              if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
-              psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+        for (int i = 0; i < 16 / RPI; ++i) {
+          const int rl = RPI * i + ro, s = wrow0 + rl;
+          const bool ok = s < m_end && nc < N;
+          const T* zr = aux + (long long)s * ldaux + nc;
+          sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
+          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
+        }
+        sm90::cp_async_wait_all();
+        __syncwarp();
+        float gs[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
+        }
+        // The fragment's pairs in batches of JB column groups: the batch's z loads are issued together, so a
+        // warp waits for shared memory once per batch instead of once per pair (the volatile shared-memory
+        // accesses keep program order). Same visiting order as wg_for_each_pair: psum adds in a fixed order.
+        {
+          constexpr int JB = 8;
+          const int r0 = sm90::acc_row(0, t) - 16 * wq, c0 = sm90::acc_col(0, t);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int rl = r0 + 8 * h;
+#pragma unroll
+            for (int jb = 0; jb < BN / 8; jb += JB) {
+              unsigned av[JB], bv[JB];
+#pragma unroll
+              for (int u = 0; u < JB; ++u) {
+                const int c = c0 + 8 * (jb + u);
+                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                av[u] = sm90::ld_shared_u32(za + off);
+                bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+              }
+#pragma unroll
+              for (int u = 0; u < JB; ++u) {
+                const int c = c0 + 8 * (jb + u);
+                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                const int i = sm90::acc_reg(jb + u, h);
+                const float2 a = sm90::unpack2<T>(av[u]);
+                const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
+                const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
+                sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
+                if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
+                psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+              }
             }
           }
         }
-      }
-      __syncwarp();
+        __syncwarp();
 #pragma unroll 1
-      for (int i = 0; i < 16 / RPI; ++i) {
-        const int rl = RPI * i + ro, s = wrow0 + rl;
-        if (s < m_end && nc < N) {
-          T* dzr = out + (long long)s * ldo + nc;
-          *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
-          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
-          *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+        for (int i = 0; i < 16 / RPI; ++i) {
+          const int rl = RPI * i + ro, s = wrow0 + rl;
+          if (s < m_end && nc < N) {
+            T* dzr = out + (long long)s * ldo + nc;
+            *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
+            if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
+            *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+          }
         }
-      }
-      // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
+        // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v = psum[h];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        const int s = srow0 + sm90::acc_row(2 * h, t);
-        if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
+        for (int h = 0; h < 2; ++h) {
+          float v = psum[h];
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
+        }
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(epi_done);  // this warp is done with the ring: the producer may refill it
       }
     }
   }
@@ -764,7 +843,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 // Parameter list = moe_gemm's; used: A, lda, B, ldb, slot_token, offsets, num_experts, M, N, out, ldo,
 // o_estride. Kd, b_estride, tile_offsets and the epilogue extras are ignored.
 // Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
-// dynamic shared memory = sm90::Cfg<BN>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
+// dynamic shared memory = sm90::Cfg<BN, false>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
 
 // OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
 // wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
@@ -789,7 +868,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
-  using C = sm90::Cfg<BN>;
+  using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
   constexpr int STAGES = C::STAGES;
   constexpr int EPC = 8;                         // elements per 16-byte chunk
   constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
@@ -912,7 +991,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
     constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
 
-    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES,
+    int stage = 0;
+    unsigned phase = 0;
+    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
                                     [&](unsigned long long soff, int kt) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
