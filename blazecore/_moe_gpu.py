@@ -105,7 +105,6 @@ def _smem90(bn=BN90, staging=True):
 # EPI_ACT and EPI_ROWSCALE stage their epilogue outside the stage ring, so the producer fills the next tile's
 # stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
 _M_GROUPED = {"gemm1", "gemm2", "dhcur", "dx"}
-_PERSISTENT = _M_GROUPED
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -179,7 +178,7 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
                  carry_seen=None):
     # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
     fn, smem, threads, _ = kern.gemm(which, carry_in=carry is not None and bool(flags & 1))
-    if kern.sm90 and which in _PERSISTENT:
+    if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
     fn(
         (int(grid),), (threads,),

@@ -335,6 +335,38 @@ template <int CPR> __device__ __forceinline__ unsigned stage_off(int rl, int ch)
   constexpr int SW = CPR < 8 ? CPR : 8, RP = 8 / SW;
   return static_cast<unsigned>(rl * CPR * 16 + ((ch ^ ((rl / RP) % SW)) << 4));
 }
+// One pass of a staged epilogue over the output columns [p P, p P + P) of the warp's 16 fragment rows (fr, fc:
+// the thread's first fragment row within the warp and column). put(h, j, c, off) for every pair of columns the
+// thread holds there, in wg_for_each_pair order (j: column group, c: column in the tile, off: the pair's byte
+// offset in a staging array of P columns); then, once the warp's writes are visible, copy(rl, off, col) for this
+// lane's 16-byte chunks (row rl of the warp, chunk offset off, first column col in the tile). The closing
+// __syncwarp lets the next pass (or tile) rewrite the staging.
+template <int P, class Put, class Copy>
+__device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put&& put, Copy&& copy) {
+  constexpr int PCPR = P / 8, RPI = 32 / PCPR;  // 16-byte chunks per staged row; rows per warp instruction
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int jj = 0; jj < P / 8; ++jj) {
+      const int j = p * (P / 8) + jj, c = fc + 8 * j;
+      put(h, j, c, stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2);
+    }
+  __syncwarp();
+  const int co = lane % PCPR, ro = lane / PCPR;
+#pragma unroll
+  for (int i = 0; i < 16 / RPI; ++i) copy(RPI * i + ro, stage_off<PCPR>(RPI * i + ro, co), p * P + co * 8);
+  __syncwarp();
+}
+// v0, v1 += the bias columns col, col + 1 (be: the expert's bias row; none, or col >= n: unchanged)
+template <typename T>
+__device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0, float& v1) {
+  if (be && col < n) {
+    float x0, x1;
+    load2<T>(be + col, x0, x1);
+    v0 += x0;
+    v1 += x1;
+  }
+}
 // Consumer mainloop shared by both kernels: for each k-tile, wait for its stage, order the cp.async writes
 // before the async-proxy reads, issue the tile's wgmmas (issue(stage byte offset >> 4, kt)), keep one wgmma
 // group in flight and release the previous stage to the producer. Ends with every group complete; an empty
@@ -611,59 +643,37 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       const int wrow0 = srow0 + 16 * wq;  // slot of the warp's first row
       const int fr = sm90::acc_row(0, t) - 16 * wq, fc = sm90::acc_col(0, t);  // fragment row (in the warp), column
       if constexpr (EPI == EPI_ACT) {
-        // In passes of P output columns through the warp's staging (16 rows, 16-byte chunks swizzled by
-        // stage_off): the activation h and the pre-activations z (gated: gate and up parts) go out as
-        // 16-byte row copies. A tile covers NC output columns (gated: BN / 2 of h, with the matching gate and
-        // up columns of z).
+        // In passes of P output columns through the warp's staging: the activation h and the pre-activations z
+        // (gated: gate and up parts) go out as 16-byte row copies. A tile covers NC output columns (gated: BN / 2
+        // of h, with the matching gate and up columns of z).
         constexpr int NC = GATED ? BN / 2 : BN;
-        constexpr int P = GATED ? 32 : 64, NARR = GATED ? 3 : 2;
-        constexpr int PCPR = P / EPC, ARR = 16 * P * 2, RPI = 32 / PCPR;
+        constexpr int P = GATED ? 32 : 64, NARR = GATED ? 3 : 2, ARR = 16 * P * 2;
         static_assert(NARR * ARR <= sm90::EPI_WARP_BYTES, "act staging fits in the warp's area");
         const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
         T* hout = (flags & 1) ? out : nullptr;
         T* zout = (flags & 2) ? out2 : nullptr;
         const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
-        const int co = lane % PCPR, ro = lane / PCPR;
 #pragma unroll
         for (int p = 0; p < NC / P; ++p) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int jj = 0; jj < P / 8; ++jj) {
-              const int j = p * (P / 8) + jj, c = fc + 8 * j;
-              const unsigned off = sm90::stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2;
-              if constexpr (GATED) {
-                constexpr int UP = BN / 16;  // column groups between a gate column and its up column
-                float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
-                float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
-                if (be && n0 + c < N) {
-                  float x0, x1, y0, y1;
-                  load2<T>(be + n0 + c, x0, x1);
-                  load2<T>(be + N + n0 + c, y0, y1);
-                  a0 += x0; a1 += x1; b0 += y0; b1 += y1;
-                }
-                sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
-                sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
-                sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
-              } else {
-                float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
-                if (be && n0 + c < N) {
-                  float x0, x1;
-                  load2<T>(be + n0 + c, x0, x1);
-                  z0 += x0; z1 += x1;
-                }
-                sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
-                sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
-              }
+          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+            if constexpr (GATED) {
+              constexpr int UP = BN / 16;  // column groups between a gate column and its up column
+              float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
+              float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
+              sm90::add_bias2(be, n0 + c, N, a0, a1);
+              sm90::add_bias2(be ? be + N : be, n0 + c, N, b0, b1);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
+              sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
+              sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
+            } else {
+              float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
+              sm90::add_bias2(be, n0 + c, N, z0, z1);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
+              sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
             }
-          }
-          __syncwarp();
-          const int nc = n0 + p * P + co * EPC;
-#pragma unroll
-          for (int i = 0; i < 16 / RPI; ++i) {
-            const int rl = RPI * i + ro, s = wrow0 + rl;
+          }, [&](int rl, unsigned off, int col) {
+            const int s = wrow0 + rl, nc = n0 + col;
             if (s < m_end && nc < N) {
-              const unsigned off = sm90::stage_off<PCPR>(rl, co);
               if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
               if (zout) {
                 T* zr = zout + (long long)s * ldo2 + nc;
@@ -671,15 +681,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
                 if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
               }
             }
-          }
-          __syncwarp();  // every lane has read the staging before the next pass (or tile) rewrites it
+          });
         }
       } else if constexpr (EPI == EPI_ROWSCALE) {
         // (acc + bias) * gate, in passes of P columns through the warp's staging for 16-byte row stores
-        constexpr int P = 128, PCPR = P / EPC, RPI = 32 / PCPR;
+        constexpr int P = 128;
         static_assert(16 * P * 2 <= sm90::EPI_WARP_BYTES, "rowscale staging fits in the warp's area");
         const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-        const int co = lane % PCPR, ro = lane / PCPR;
         float gs[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -688,31 +696,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         }
 #pragma unroll
         for (int p = 0; p < BN / P; ++p) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int jj = 0; jj < P / 8; ++jj) {
-              const int j = p * (P / 8) + jj, c = fc + 8 * j;
-              float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
-              if (be && n0 + c < N) {
-                float x0, x1;
-                load2<T>(be + n0 + c, x0, x1);
-                o0 += x0; o1 += x1;
-              }
-              sm90::st_shared_u32(ep + sm90::stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2,
-                                  sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
-            }
-          }
-          __syncwarp();
-          const int nc = n0 + p * P + co * EPC;
-#pragma unroll 1
-          for (int i = 0; i < 16 / RPI; ++i) {
-            const int rl = RPI * i + ro, s = wrow0 + rl;
+          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+            float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
+            sm90::add_bias2(be, n0 + c, N, o0, o1);
+            sm90::st_shared_u32(ep + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+          }, [&](int rl, unsigned off, int col) {
+            const int s = wrow0 + rl, nc = n0 + col;
             if (s < m_end && nc < N)
-              *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) =
-                  sm90::ld_shared_v4(ep + sm90::stage_off<PCPR>(rl, co));
-          }
-          __syncwarp();  // every lane has read the staging before the next pass (or tile) rewrites it
+              *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(ep + off);
+          });
         }
       } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
         // The z rows are read and dz / g*hcur written through the (idle) stage ring with 16-byte row
