@@ -294,13 +294,15 @@ class _Carry:
         self.seen.fill(0)
 
 
-def carry_bytes(sm90: bool, E: int, d: int, h: int, H2: int, bias13: bool, bias2: bool) -> int:
-    """Bytes of :class:`_Carry` (the memory model's term for chunked backward), without building kernels."""
+def carry_arrays(sm90: bool, E: int, d: int, h: int, H2: int, bias13: bool, bias2: bool) -> list[int]:
+    """Bytes of each array of :class:`_Carry`, in allocation order (the memory model's term for a chunked
+    backward), without building kernels."""
     bn = BN90 if sm90 else BN
     t = lambda n, w: -(-n // w)  # noqa: E731
     g13 = E * t(H2, BM) * t(d, bn)
     g2 = E * t(h, BM) * t(d, bn) if sm90 else E * t(d, BM) * t(h, bn)
-    return 4 * ((g13 + g2) * BM * bn + (E * H2 if bias13 else 0) + (E * d if bias2 else 0) + E)
+    bias = ([4 * E * H2] if bias13 else []) + ([4 * E * d] if bias2 else [])
+    return [4 * g13 * BM * bn, 4 * g2 * BM * bn] + bias + [4 * E]
 
 
 def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):

@@ -28,7 +28,6 @@ from . import _array
 from .moe import BLOCK_TOKENS, CHECKPOINTS, activation_info, chunk_bounds
 
 _ROUND = 512  # torch's caching allocator and CuPy's pool both round block sizes up to 512 bytes
-_BM, _BN90, _BN = 128, 256, 128  # GEMM tiles (see _moe_gpu): weight-gradient CTAs own BM x BN outputs
 
 
 def _r(n: int) -> int:
@@ -114,7 +113,6 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
     Lc = max(t1 - t0 for t0, t1 in bounds)
     LK, LKc = L * K, Lc * K
     sm90 = sm90 and b == 2
-    bn = _BN90 if sm90 else _BN
     t = _Tracker()
 
     # ---- forward ----
@@ -138,23 +136,18 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
     for g in grads:
         t.alloc(g)
     if len(bounds) > 1 and L:
-        g13 = E * _cdiv(R, _BM) * _cdiv(d, bn)
-        g2 = E * _cdiv(h, _BM) * _cdiv(d, bn) if sm90 else E * _cdiv(d, _BM) * _cdiv(h, bn)
-        t.alloc(4 * g13 * _BM * bn)
-        t.alloc(4 * g2 * _BM * bn)
-        if bias[0]:
-            t.alloc(4 * E * R)
-        if bias[1]:
-            t.alloc(4 * E * d)
-        t.alloc(4 * E)
+        from ._moe_gpu import carry_arrays
+
+        for n in carry_arrays(sm90, E, d, h, R, *bias):  # fp32 partial sums carried between the chunks
+            t.alloc(n)
     if L:
-        from ._moe_gpu import dx_slices, h_slices
+        from ._moe_gpu import BN, BN90, dx_slices, h_slices
 
         tiles = t.alloc(4 * (E + 1))
         zc = t.alloc(LKc * R * b) if (checkpoint == "none" or retain) else 0  # recomputed z, or dz beside z
         hw = h if len(bounds) > 1 else max(c1 - c0 for c0, c1 in h_slices(h, d))  # g*hcur rows, h-sliced unchunked
         hg = t.alloc(LKc * hw * b)
-        part = t.alloc(4 * LKc * _cdiv(h, bn))
+        part = t.alloc(4 * LKc * _cdiv(h, BN90 if sm90 else BN))  # dgates partials, one per n-tile of dh'
         t.free(part)
         nb = _cdiv(Lc, block_tokens)
         blk = t.alloc(4 * E * nb) if nb > 1 else 0
