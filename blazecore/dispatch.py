@@ -128,6 +128,17 @@ def _first_bad_cpu(ids: np.ndarray, num_experts: int) -> int:
     return int(flat[0]) if flat.size else -1
 
 
+def check_ids_host(expert_ids: np.ndarray, num_experts: int) -> None:
+    """Raise ValueError naming the first (token, k) of the (L, K) host array ``expert_ids`` whose id is outside
+    [0, num_experts) or repeats an id earlier in its row (what ``build_dispatch(..., validate=True)`` checks)."""
+    ids = np.asarray(expert_ids)
+    if ids.size:
+        first = _first_bad_cpu(ids, num_experts)
+        if first >= 0:
+            t, k = divmod(first, ids.shape[1])
+            raise ValueError(_describe_bad(ids[t], t, k, num_experts))
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: plan, functions, launchers
 # ---------------------------------------------------------------------------------------------
@@ -433,11 +444,8 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True, strea
     if not _array.is_gpu(ids):
         if stream is not None:
             raise ValueError("stream given, but expert_ids is a CPU array (streams apply to CUDA arrays)")
-        if validate and ids.size:
-            first = _first_bad_cpu(ids, num_experts)
-            if first >= 0:
-                t, k = divmod(first, top_k)
-                raise ValueError(_describe_bad(ids[t], t, k, num_experts))
+        if validate:
+            check_ids_host(ids, num_experts)
         from .reference.dispatch import build_dispatch as reference_build
 
         offsets, slot_token, slot_k, pair_slot = reference_build(ids, num_experts)

@@ -289,7 +289,10 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True) -> Ja
         expert_ids: (L, K) int32 / int64, K distinct values in [0, num_experts) per row.
         num_experts: E >= K.
         validate: check the id values (on the GPU a device-to-host read that synchronises XLA's stream;
-            pass False for ids from :func:`route_topk`). The CPU always checks.
+            pass False for ids from :func:`route_topk`). The CPU always checks. Concrete ids (outside ``jit``)
+            are checked here, before anything is staged: a bad id raises ValueError naming the (token, k).
+            Inside ``jit`` the values exist only when the callback runs, and JAX reports the callback's
+            ValueError as a ``JaxRuntimeError`` whose message ends with it.
     """
     L, K = (int(s) for s in expert_ids.shape) if len(expert_ids.shape) == 2 else (0, 0)
     _check_ids(expert_ids, "expert_ids", L)
@@ -298,8 +301,25 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True) -> Ja
         raise ValueError(f"top_k K = {K} must be in [1, num_experts = {E}]")
     shapes = (_sds((E + 1,), np.int32), _sds((L * K,), np.int32), _sds((L * K,), np.int32),
               _sds((L, K), np.int32))
+    if validate and _concrete(expert_ids):
+        # concrete ids (outside jit): check them here, so a bad id is a ValueError with its own message; inside
+        # the callback it would reach the caller as a JaxRuntimeError that wraps the traceback around it
+        _check_id_values(expert_ids, E)
+        validate = False
     cb = functools.partial(_build_dispatch_cb, num_experts=E, validate=bool(validate))
     return JaxDispatch(*_callback(cb, shapes)(jax.lax.stop_gradient(expert_ids)))
+
+
+def _concrete(a) -> bool:
+    """True for an array with values (not a tracer of jit, vmap or grad)."""
+    return not isinstance(a, jax.core.Tracer)
+
+
+def _check_id_values(expert_ids, num_experts: int) -> None:
+    """ValueError naming the first (token, k) whose id is outside [0, E) or repeats in its row (a host read)."""
+    from blazecore.dispatch import check_ids_host
+
+    check_ids_host(np.asarray(expert_ids), num_experts)
 
 
 def _core_dispatch(v: _Views, offsets, slot_token, slot_k, pair_slot) -> blazecore.Dispatch:
