@@ -31,9 +31,13 @@ Where the buffers go:
 
 Saved state: a custom_vjp residual must be arrays, so the FFN forward returns ``ab`` (the (L*K, R)
 pre-activations in x's dtype, expert-slot order, under checkpoint "ab"; a (0, R) placeholder under
-"none") and the backward rebuilds a ``blazecore.MoESaved`` from the residuals and calls
-``blazecore.moe_backward(..., retain=True)``: XLA's buffers are immutable inputs to the backward, so the
-core must not overwrite ``ab``.
+"none") and the backward rebuilds a ``blazecore.MoESaved`` from the residuals. As in the core, the backward
+writes the activation gradient dz over ``ab``: its callback has an extra (L*K, R) output aliased to the ``ab``
+input (``input_output_aliases``), and the core works in that buffer. Inside one jitted computation (``jax.grad``
+of a jitted loss, a jitted train step) ``ab``'s last use is the backward, so XLA hands the callback ``ab``'s own
+buffer and no second (L*K, R) buffer exists; where ``ab`` is still needed afterwards (a residual passed between
+separately compiled forward and backward calls, or used twice), XLA copies it first, so results are always right
+and only the memory saving is lost.
 
 vmap: every callback declares ``vmap_method="sequential"`` (a batch of B runs the op B times, in a loop).
 """
@@ -334,7 +338,7 @@ def _core_dispatch(v: _Views, offsets, slot_token, slot_k, pair_slot) -> blazeco
 
 def _route_fwd_cb(ctx, outs, logits, bias, *, top_k, score, renormalize):
     with _scope(ctx, (logits,)) as v:
-        blazecore.route_topk.route_topk(v(logits), top_k, score=score, renormalize=renormalize,
+        blazecore.route_topk(v(logits), top_k, score=score, renormalize=renormalize,
                                         expert_bias=v(bias), out_gates=v(outs[0]), out_ids=v(outs[1]),
                                         stream=v.stream)
 
@@ -374,7 +378,7 @@ _route.defvjp(_route_fwd, _route_bwd)
 
 
 def route_topk(logits, top_k: int, *, score: str = "softmax", renormalize: bool = True, expert_bias=None):
-    """Top-k routing (``blazecore.route_topk.route_topk``); differentiable w.r.t. the logits.
+    """Top-k routing (``blazecore.route_topk``); differentiable w.r.t. the logits.
 
     Args:
         logits: (L, E) float32 / float16 / bfloat16.
@@ -502,14 +506,17 @@ def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation,
             v.put(ab_view, saved.ab)
 
 
-def _ffn_bwd_cb(ctx, outs, dy, x, w13, w2, gates, ids, disp, ab, b13, b2, *, activation, checkpoint, chunks=1):
-    dx, dw13, dw2, dgates, db13, db2 = outs
+def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1):
+    dz, dx, dw13, dw2, dgates, db13, db2 = outs
     with _scope(ctx, (x,)) as v:
+        # under "ab", dz is the output aliased to the ab input (input_output_aliases): the same bytes as ab
+        # whenever XLA could donate them, a copy of ab otherwise; the core writes dz over it (retain=False)
+        # (an aliased output starts out holding the input's values)
+        z = v(dz) if checkpoint == "ab" else None
         saved = blazecore.MoESaved(v(x), v(w13), v(w2), v(gates), v(ids), _core_dispatch(v, *disp), activation,
-                                   checkpoint, v(b13), v(b2), v(ab) if checkpoint == "ab" else None,
-                                   chunks=chunks)
+                                   checkpoint, v(b13), v(b2), z, chunks=chunks)
         g = blazecore.moe_backward(v(dy), saved, out_dx=v(dx), out_dw13=v(dw13), out_dw2=v(dw2),
-                                   out_dgates=v(dgates), stream=v.stream, retain=True)
+                                   out_dgates=v(dgates), stream=v.stream, retain=False)
         if db13 is not None:
             v.put(v(db13), g.db13)
         if db2 is not None:
@@ -543,11 +550,16 @@ def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *
     if tuple(ab.shape) != want_ab or _dtype(ab) != dt:
         raise ValueError(f"ab: expected the forward's saved pre-activations, {want_ab} {_dname(dt)}; got "
                          f"{tuple(ab.shape)} {_dname(_dtype(ab))}")
-    shapes = (_sds(x.shape, dt), _sds(w13.shape, dt), _sds(w2.shape, dt), _sds(gates.shape, np.float32),
-              None if b13 is None else _sds(b13.shape, dt), None if b2 is None else _sds(b2.shape, dt))
+    shapes = (_sds(ab.shape, dt), _sds(x.shape, dt), _sds(w13.shape, dt), _sds(w2.shape, dt),
+              _sds(gates.shape, np.float32), None if b13 is None else _sds(b13.shape, dt),
+              None if b2 is None else _sds(b2.shape, dt))
     cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint, chunks=_chunks(chunks))
-    out = _callback(cb, shapes)(dy, x, w13, w2, gates, expert_ids, tuple(dispatch), ab, b13, b2)
-    return MoEGrads(*out)
+    # ab is input 0 and dz output 0 (ab first: buffer_callback checks alias indices against the top-level
+    # argument count)
+    aliases = {0: 0} if checkpoint == "ab" else None
+    out = _buffer_callback(cb, shapes, vmap_method=VMAP_METHOD, input_output_aliases=aliases)(
+        ab, dy, x, w13, w2, gates, expert_ids, tuple(dispatch), b13, b2)
+    return MoEGrads(*out[1:])
 
 
 def _chunks(chunks) -> int:

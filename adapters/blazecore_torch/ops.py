@@ -23,11 +23,12 @@ on torch's current stream, and turns the NumPy results of the CPU reference path
 The MoESaved record of ``blazecore.moe_forward`` cannot cross a custom-op boundary, so ``moe_forward``
 returns what the backward needs besides its inputs as tensors: ``ab``, the pre-activations (L*K, R) in
 x's dtype in expert-slot order under checkpoint "ab" (a (0, R) placeholder under "none"); the dispatch
-tensors are inputs of both ops. ``moe_backward`` rebuilds a MoESaved from them and calls
-``blazecore.moe_backward(..., retain=True)``: without ``retain`` the GPU backward would write the
-activation gradient over ``ab``, an input the op does not declare as mutated; autograd may also run the
-backward twice (``retain_graph=True``) or the compiler may reuse the buffer. The cost is one (L*K, R)
-transient at the backward's peak, the same as checkpoint "none" always pays.
+tensors are inputs of both ops. ``moe_backward`` rebuilds a MoESaved from them and, as the core does, writes
+the activation gradient dz over ``ab`` (the op declares ``ab`` mutated, so no (L*K, R) buffer is allocated
+beside it). The mutation bumps ``ab``'s version counter: a second backward through the same graph
+(``retain_graph=True``) raises PyTorch's error for a saved tensor modified in place instead of computing
+garbage. ``moe_ffn(..., retain_saved=True)`` (and ``MoELayer(retain_saved=True)``) keeps the saved
+pre-activations intact (the backward works on a copy), at the cost of one (L*K, R) transient.
 
 dtypes: x, w13, w2 (and biases) float32, float16 or bfloat16 with float32 gates, on CPU or CUDA. On
 the CPU, float64 is accepted as well (gates float64 too) and runs blazecore's float64 NumPy reference
@@ -45,7 +46,7 @@ import torch
 import blazecore
 from blazecore import _array
 from blazecore.reference import moe as _ref_moe
-from blazecore.reference import route_topk as _ref_route
+from blazecore.reference import router as _ref_route
 
 __all__ = [
     "TorchDispatch",
@@ -156,7 +157,7 @@ def _route_topk_op(logits: torch.Tensor, top_k: int, score: str, renormalize: bo
                                              expert_bias=_np(expert_bias))
         return torch.from_numpy(g), torch.from_numpy(i.astype(np.int32))
     with _core_call(logits.device) as stream:
-        g, i = blazecore.route_topk.route_topk(logits, top_k, score=score, renormalize=renormalize,
+        g, i = blazecore.route_topk(logits, top_k, score=score, renormalize=renormalize,
                                                expert_bias=expert_bias, stream=stream)
         return _to_torch(g), _to_torch(i)
 
@@ -356,7 +357,7 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                     slot_k: torch.Tensor, pair_slot: torch.Tensor, b13: torch.Tensor | None,
                     b2: torch.Tensor | None, activation: str, checkpoint: str,
-                    chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunks: int = 1, retain_saved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     L, K = expert_ids.shape
     R = w13.shape[1]
@@ -384,14 +385,14 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
 
 @_moe_forward_op.register_fake
 def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, b13, b2, activation,
-      checkpoint, chunks=1):
+      checkpoint, chunks=1, retain_saved=False):
     L, K = expert_ids.shape
     R = w13.shape[1]
     rows = L * K if checkpoint == "ab" else 0
     return torch.empty_like(x), x.new_empty((rows, R))
 
 
-@torch.library.custom_op(f"{_LIB}::moe_backward", mutates_args=())
+@torch.library.custom_op(f"{_LIB}::moe_backward", mutates_args=("ab",))
 def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                      expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                      slot_k: torch.Tensor, pair_slot: torch.Tensor, ab: torch.Tensor, b13: torch.Tensor | None,
@@ -416,7 +417,8 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
                 _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
                 None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
                 a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks)
-            g = blazecore.moe_backward(dy, saved, stream=stream, retain=True)
+            # dz is written over ab (declared mutated): the backward's peak holds no second (L*K, R) buffer
+            g = blazecore.moe_backward(dy, saved, stream=stream, retain=False)
         grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
         g = {"db13": g.db13, "db2": g.db2}
     for key, b in (("db13", b13), ("db2", b2)):
@@ -434,22 +436,36 @@ def _(dy, x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pai
 
 
 def _moe_setup(ctx, inputs, output):
-    (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint, chunks) = inputs
+    (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint, chunks,
+     retain_saved) = inputs
     _, ab = output
     ctx.mark_non_differentiable(ab)
     ctx.save_for_backward(x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2)
-    ctx.activation, ctx.checkpoint, ctx.chunks = activation, checkpoint, chunks
+    ctx.activation, ctx.checkpoint, ctx.chunks, ctx.retain_saved = activation, checkpoint, chunks, retain_saved
+
+
+_SECOND_BACKWARD_HINT = (
+    "blazecore: the expert FFN's backward writes the activation gradient over the saved pre-activations, so it "
+    "runs once per forward. To backward through the same graph again (retain_graph=True), pass "
+    "retain_saved=True to blazecore_torch.moe_ffn / MoELayer (one extra (L*K, R) buffer during the backward).")
 
 
 def _moe_backward(ctx, dy, dab):
-    x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2 = ctx.saved_tensors
+    try:
+        x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2 = ctx.saved_tensors
+    except RuntimeError as exc:  # PyTorch's in-place-modified error, with the option that avoids it
+        if "modified by an inplace operation" in str(exc):
+            raise RuntimeError(f"{exc}\n{_SECOND_BACKWARD_HINT}") from exc
+        raise
     if dy is None:
         dy = torch.zeros_like(x)
+    if ctx.retain_saved and ab.numel():
+        ab = ab.clone()  # the backward overwrites its ab argument; keep the saved one for another backward
     dx, dw13, dw2, dgates, db13, db2 = torch.ops.blazecore.moe_backward(
         dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
         ctx.activation, ctx.checkpoint, ctx.chunks)
     return (dx, dw13, dw2, dgates, None, None, None, None, None, db13 if b13 is not None else None,
-            db2 if b2 is not None else None, None, None, None)
+            db2 if b2 is not None else None, None, None, None, None)
 
 
 _moe_forward_op.register_autograd(_moe_backward, setup_context=_moe_setup)
@@ -476,7 +492,7 @@ class TorchDispatch(NamedTuple):
 
 def route_topk(logits: torch.Tensor, top_k: int, *, score: str = "softmax", renormalize: bool = True,
                expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing (``blazecore.route_topk.route_topk``); differentiable w.r.t. the logits.
+    """Top-k routing (``blazecore.route_topk``); differentiable w.r.t. the logits.
 
     Args:
         logits: (L, E) float32 / float16 / bfloat16 (float64 on the CPU).
@@ -510,7 +526,8 @@ def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool
 
 def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor,
             *, activation: str = "swiglu", checkpoint: str = "ab", b13: torch.Tensor | None = None,
-            b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None, chunks: int = 1) -> torch.Tensor:
+            b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None, chunks: int = 1,
+            retain_saved: bool = False) -> torch.Tensor:
     """The expert FFNs and gate-weighted combine (``blazecore.moe_forward`` / ``moe_backward``).
 
     Args:
@@ -522,9 +539,15 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
         activation: one of ``blazecore.ACTIVATIONS``.
         checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute).
         b13, b2: optional (E, R) and (E, d) biases, x's dtype.
-        dispatch: a :class:`TorchDispatch` of ``expert_ids``; built here (validating the ids) when None.
+        dispatch: a :class:`TorchDispatch` of ``expert_ids``; built here when None, validating the ids (on
+            CUDA a device-to-host read that synchronises the stream). To skip it (ids from :func:`route_topk`,
+            CUDA-graph capture), pass ``build_dispatch(expert_ids, E, validate=False)``.
         chunks: run the tokens in this many chunks (``blazecore.moe_forward``): transients scale with
             L / chunks, results are bit-identical to one chunk.
+        retain_saved: keep the saved pre-activations ("ab") intact through the backward, so a second backward
+            through the same graph (``retain_graph=True``) works; off by default, when the backward writes the
+            activation gradient over them (no (L*K, R) buffer beside them) and a second backward raises
+            PyTorch's error for a saved tensor modified in place.
 
     Returns:
         y (L, d) in x's dtype, differentiable w.r.t. x, w13, w2, gates, b13, b2.
@@ -535,7 +558,7 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
         dispatch = build_dispatch(expert_ids, w13.shape[0])
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     y, _ = torch.ops.blazecore.moe_forward(c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
-                                           activation, checkpoint, int(chunks))
+                                           activation, checkpoint, int(chunks), bool(retain_saved))
     return y
 
 
