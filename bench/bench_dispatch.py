@@ -38,7 +38,7 @@ import argparse
 import sys
 
 try:
-    from bench import _common as common
+    from . import _common as common
 except ImportError:  # run as a script: python bench/bench_dispatch.py
     import _common as common
 
@@ -188,7 +188,6 @@ def main(argv=None) -> int:
     if not ok:
         print(f"bench_dispatch: needs a CUDA GPU and torch; {why}. Nothing to measure.")
         return 0
-    common.ensure_repo_on_path()
     import cupy
     import torch
 

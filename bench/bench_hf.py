@@ -46,7 +46,7 @@ import time
 import traceback
 
 try:
-    from bench import _common as common
+    from . import _common as common
 except ImportError:  # run as a script: python bench/bench_hf.py
     import _common as common
 
@@ -66,13 +66,6 @@ IMPLS = {
 }
 BASELINE = "grouped_mm"
 GIB = float(1 << 30)
-
-
-def _ensure_adapters_on_path() -> None:
-    common.ensure_repo_on_path()
-    adapters = str(common.REPO_ROOT / "adapters")
-    if adapters not in sys.path:
-        sys.path.insert(0, adapters)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,7 +371,6 @@ def main(argv=None) -> int:
         if not ok:
             print(f"bench_hf: no GPU to measure on: {why}. Nothing measured; exiting.", flush=True)
             return 0
-    _ensure_adapters_on_path()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     header = common.gpu_header() if args.device == "cuda" else common.cpu_header()
     header.update(bench="hf", transformers=transformers.__version__, dtype=str(dtype).replace("torch.", ""),

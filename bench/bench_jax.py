@@ -40,7 +40,7 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 try:
-    from bench import _common as common
+    from . import _common as common
 except ImportError:  # run as a script: python bench/bench_jax.py
     import _common as common
 
@@ -54,13 +54,6 @@ SHAPES = {
 ACTIVATION = "swiglu"
 OUTPUTS = ("y", "dx", "dw13", "dw2", "dgates")
 CHECK_TOL = 1e-2
-
-
-def _ensure_adapters_on_path() -> None:
-    common.ensure_repo_on_path()
-    adapters = str(common.REPO_ROOT / "adapters")
-    if adapters not in sys.path:
-        sys.path.insert(0, adapters)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -465,7 +458,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    _ensure_adapters_on_path()
     jax, jdev, why = jax_gpu(args.device)
     if jax is None:
         print(f"bench_jax: nothing measured: {why}", flush=True)

@@ -24,13 +24,11 @@ import pathlib
 import sys
 
 try:
-    from bench import _common as common
-    from bench import bench_moe as bm
+    from . import _common as common
+    from . import bench_moe as bm
 except ImportError:  # run as a script from bench/
     import _common as common
     import bench_moe as bm
-
-common.ensure_repo_on_path()
 
 SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
           "fine": (1536, 256, 128, 8)}

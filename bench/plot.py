@@ -21,7 +21,7 @@ import pathlib
 import sys
 
 try:
-    from bench import _common as common
+    from . import _common as common
 except ImportError:  # run as a script: python bench/plot.py
     import _common as common
 

@@ -4,11 +4,17 @@ Core ops take any DLPack array; CUDA arrays run CUDA kernels compiled at first u
 CPU arrays run the NumPy reference in ``blazecore.reference``. Importing does no work: no CUDA
 context, no compilation, no torch or jax import.
 
-The router lives in the module ``blazecore.route_topk`` (``blazecore.route_topk.route_topk(...)``);
-its other functions are also exported here.
+``blazecore.route_topk`` is the router function; its module is ``blazecore.router``. The module's old name,
+``blazecore.route_topk``, stays importable (``from blazecore.route_topk import ...``) with a DeprecationWarning
+until the next release.
+
+``blazecore.testing`` holds the helpers that the project's tests and benchmarks share (routing generators,
+the argsort dispatch oracle, the comparison helper); it is not imported here.
 """
 
-from . import _moe_gpu, dispatch, memory, moe, route_topk  # noqa: F401  (op modules register their kernels)
+import sys as _sys
+
+from . import _deprecated, _moe_gpu, dispatch, memory, moe, router  # noqa: F401  (op modules register their kernels)
 from ._array import BF16, allocator, asarray, logical_dtype, set_allocator
 from ._compile import CompileError
 from .dispatch import Dispatch, build_dispatch
@@ -25,15 +31,19 @@ from .moe import (
     moe_flops,
     moe_forward,
 )
-from .route_topk import (
+from .router import (
     load_balancing_loss,
     load_balancing_loss_backward,
+    route_topk,
     route_topk_backward,
     router_z_loss,
     router_z_loss_backward,
 )
 
 __version__ = "0.1.0"
+
+# the router module's old name (deprecated): importable, warns on use; the attribute stays the function
+_sys.modules.setdefault(__name__ + ".route_topk", _deprecated.module_alias(__name__ + ".route_topk", router))
 
 __all__ = [
     "ACTIVATIONS",

@@ -1,4 +1,5 @@
-"""Shared test fixtures: GPU detection, output poisoning, the comparison helper."""
+"""Shared test fixtures: GPU detection, output poisoning, backends. The helpers shared with the benchmarks
+(routing kinds, the argsort dispatch oracle, the comparison helper) live in ``blazecore.testing``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import blazecore._array as _array
+from blazecore.testing import ROUTINGS, argsort_dispatch, assert_close, make_routing, to_numpy  # noqa: F401
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,66 +66,3 @@ def to_backend(a, backend):
     if a.dtype == _array.BF16:
         return cupy.asarray(a.view(np.uint16))
     return cupy.asarray(a)
-
-
-def to_numpy(a):
-    if isinstance(a, np.ndarray):
-        return a
-    v = _array.asarray(a)
-    if isinstance(v, np.ndarray):
-        return v
-    h = v.get()
-    return h.view(_array.BF16) if _array.logical_dtype(v) == _array.BF16 else h
-
-
-def assert_close(actual, expected, rtol_norm, name="output"):
-    """Relative norm error ||a - e|| / ||e|| under ``rtol_norm``; reports max-abs error and first bad index."""
-    a = np.asarray(to_numpy(actual), dtype=np.float64)
-    e = np.asarray(expected, dtype=np.float64)
-    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
-    if a.size == 0:
-        return
-    nonfinite = ~np.isfinite(a) & np.isfinite(e)
-    if nonfinite.any():
-        idx = tuple(int(i) for i in np.argwhere(nonfinite)[0])
-        raise AssertionError(f"{name}: non-finite value {a[idx]} at {idx} (expected {e[idx]})")
-    diff = np.abs(a - e)
-    denom = np.linalg.norm(e)
-    rel = np.linalg.norm(a - e) / (denom if denom > 0 else 1.0)
-    if not rel <= rtol_norm:
-        idx = tuple(int(i) for i in np.unravel_index(np.argmax(diff), diff.shape))
-        raise AssertionError(
-            f"{name}: relative norm error {rel:.3e} > {rtol_norm:.1e}; max abs error {diff.max():.3e} at {idx} "
-            f"(got {a[idx]}, expected {e[idx]})"
-        )
-
-
-ROUTINGS = ("uniform", "zipf", "all_to_one", "empty_experts", "k_eq_e")
-
-
-def make_routing(rng, L: int, E: int, K: int, kind: str, dtype=np.int32) -> np.ndarray:
-    """(L, K) expert ids, K distinct experts per row in random column order, for a routing ``kind``:
-
-    uniform: every expert equally likely. zipf: expert weights (rank + 1)**-1.5 over a random ranking of the
-    experts (a few hot ones, a long cold tail). all_to_one: one expert (random) in every row, the other K - 1
-    uniform (K = 1: every token on that expert). empty_experts: only max(K, E // 4) experts (random) are used.
-    k_eq_e: every row a permutation of all experts (needs K == E).
-    """
-    if kind == "k_eq_e" and K != E:
-        raise ValueError(f"k_eq_e needs K == E, got K={K}, E={E}")
-    if L == 0:
-        return np.zeros((0, K), dtype=dtype)
-    with np.errstate(divide="ignore"):
-        logw = np.zeros(E)
-        if kind == "zipf":
-            logw = -1.5 * np.log1p(rng.permutation(E).astype(np.float64))
-        elif kind == "empty_experts":
-            logw = np.full(E, -np.inf)
-            logw[rng.permutation(E)[: max(K, E // 4)]] = 0.0
-        elif kind not in ROUTINGS:
-            raise ValueError(kind)
-    keys = logw[None, :] + rng.gumbel(size=(L, E))  # Gumbel top-k: K distinct draws without replacement
-    if kind == "all_to_one":
-        keys[:, rng.integers(E)] = np.inf
-    ids = np.argpartition(-keys, K - 1, axis=1)[:, :K]
-    return np.ascontiguousarray(rng.permuted(ids, axis=1).astype(dtype))

@@ -10,7 +10,7 @@ import pytest
 from conftest import backends, make_routing, to_backend, to_numpy
 
 from blazecore import BF16, moe
-from blazecore import route_topk as rt
+from blazecore import router as rt
 from blazecore._validate import check_finite, count_nonfinite
 
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": BF16}

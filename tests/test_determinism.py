@@ -20,7 +20,7 @@ from conftest import make_routing, to_backend, to_numpy
 
 import blazecore
 from blazecore import BF16, moe
-from blazecore import route_topk as rt
+from blazecore import router as rt
 
 DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
 ROUTINGS = ("uniform", "zipf", "all_to_one")

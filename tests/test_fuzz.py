@@ -40,10 +40,10 @@ from hypothesis import strategies as st
 
 import blazecore
 from blazecore import BF16, moe
-from blazecore import route_topk as rt
+from blazecore import router as rt
 from blazecore._array import logical_dtype
 from blazecore.reference import moe as ref_moe
-from blazecore.reference import route_topk as ref_rt
+from blazecore.reference import router as ref_rt
 
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "bf16": BF16}
 TOL = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}

@@ -25,8 +25,8 @@ from conftest import assert_close
 import blazecore
 from blazecore import BF16, moe
 from blazecore import _array as array_mod
-from blazecore import route_topk as rt
-from blazecore.reference import route_topk as ref_rt
+from blazecore import router as rt
+from blazecore.reference import router as ref_rt
 
 INT32_LIMIT = 2**31
 HAS_CHUNKS = "chunks" in inspect.signature(moe.moe_forward).parameters

@@ -23,7 +23,7 @@ from conftest import to_backend, to_numpy
 
 import blazecore
 from blazecore import BF16, moe
-from blazecore import route_topk as rt
+from blazecore import router as rt
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "validation.md"
 BIG = 2**31

@@ -13,6 +13,8 @@ which are blazecore's w13 and w2 as they are.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -20,9 +22,28 @@ import blazecore
 from blazecore.layer import compose_moe_layer, resolve_chunks
 
 from . import ops
-from .baseline import add_moe_parameters, reset_moe_parameters
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "add_moe_parameters", "reset_moe_parameters"]
+
+
+def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
+                       device=None, dtype=None) -> None:
+    """The parameters of a MoE layer (``MoELayer``, and any layer that wants the same state dict), initialised by
+    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)."""
+    fk = {"device": device, "dtype": dtype}
+    module.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
+    module.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **fk))
+    module.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+    reset_moe_parameters(module)
+
+
+def reset_moe_parameters(module: nn.Module) -> None:
+    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router.
+    One order for every layer built by :func:`add_moe_parameters`, so the same seed gives the same weights."""
+    d, h = module.gate_up_proj.shape[2], module.down_proj.shape[2]
+    nn.init.uniform_(module.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
+    nn.init.uniform_(module.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
+    module.router.reset_parameters()
 
 
 class MoELayer(nn.Module):

@@ -1,13 +1,13 @@
-"""Train a small MoE transformer language model on blazecore's layers: ``python -m blazecore train``.
+"""Train a small MoE transformer language model on blazecore's layers: ``blazecore train``.
 
 The model: token and position embeddings, ``n_layers`` pre-norm blocks of causal self-attention
 (``F.scaled_dot_product_attention``) and a Mixture-of-Experts feed-forward layer
 (:class:`blazecore_torch.MoELayer`, or with ``impl="conventional"`` / ``"grouped_mm"`` the plain PyTorch
-:class:`blazecore_torch.baseline.BaselineMoELayer` with the same parameters), a final RMSNorm and an
+:class:`blazecore_app.baselines.BaselineMoELayer` with the same parameters), a final RMSNorm and an
 output head tied to the token embedding. The loss is next-token cross-entropy plus
 ``aux_loss_coef`` x the load-balancing loss and ``z_loss_coef`` x the router z-loss (means over layers).
 
-Data: :class:`blazecore_torch.corpus.SyntheticLanguage` (generated, nothing downloaded); the last 10%
+Data: :class:`blazecore_app.corpus.SyntheticLanguage` (generated, nothing downloaded); the last 10%
 is held out for the validation loss. Batches are random windows drawn from a generator seeded with
 (seed, step), so the data order needs no state and a resumed run reads the same batches.
 
@@ -46,10 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import blazecore
+from blazecore_torch import MoELayer
 
-from . import baseline as _baseline
+from . import baselines as _baseline
 from .corpus import SyntheticLanguage
-from .layer import MoELayer
 
 __all__ = ["PRESETS", "ConfigError", "MoETransformer", "TrainConfig", "resolve", "run"]
 
@@ -445,7 +445,10 @@ def _fmt_count(n: int) -> str:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"--device {name}: expected auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: torch {torch.__version__} sees no CUDA GPU")
     if dev.type not in ("cpu", "cuda"):
@@ -503,6 +506,34 @@ def _check_config(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(f"d_model = {cfg.d_model} is not a multiple of n_heads = {cfg.n_heads}")
     if cfg.resume and not cfg.ckpt_dir:
         raise ConfigError("--resume needs --ckpt DIR")
+    if not cfg.lr > 0:
+        raise ConfigError(f"lr = {cfg.lr:g} must be > 0")
+    non_negative = ("warmup", "weight_decay", "grad_clip", "aux_loss_coef", "z_loss_coef", "eval_batches",
+                    "sample_tokens", "cpu_threads")
+    bad = [f"{k} = {getattr(cfg, k)}" for k in non_negative if not getattr(cfg, k) >= 0]
+    if bad:
+        raise ConfigError("must be >= 0: " + ", ".join(bad))
+    if cfg.ckpt_every < 1:
+        raise ConfigError(f"ckpt_every = {cfg.ckpt_every} must be >= 1")
+    if cfg.stop_at is not None and cfg.stop_at < 0:
+        raise ConfigError(f"stop_at = {cfg.stop_at} must be >= 0")
+    if not (cfg.chunks == "auto" or (isinstance(cfg.chunks, int) and not isinstance(cfg.chunks, bool)
+                                     and cfg.chunks >= 1)):
+        raise ConfigError(f"chunks = {cfg.chunks!r} must be an int >= 1 or auto")
+    if cfg.impl == "grouped_mm":
+        why = _grouped_mm_unavailable(cfg, device)
+        if why is not None:
+            raise ConfigError(f"--baseline grouped_mm: {why}")
+
+
+def _grouped_mm_unavailable(cfg: TrainConfig, device: torch.device) -> str | None:
+    """Why the grouped_mm baseline cannot run this configuration here (a cached probe on the device), or None."""
+    dtype = DTYPES[cfg.dtype]
+    rows = 2 * cfg.expert_hidden if blazecore.activation_info(cfg.activation) else cfg.expert_hidden
+    x = torch.empty(1, cfg.d_model, device=device, dtype=dtype)
+    w13 = torch.empty(1, rows, cfg.d_model, device=device, dtype=dtype)
+    w2 = torch.empty(1, cfg.d_model, cfg.expert_hidden, device=device, dtype=dtype)
+    return _baseline.grouped_mm_unsupported(x, w13, w2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""NumPy reference for the router (``blazecore.route_topk``): the obvious per-row loop in float64.
+"""NumPy reference for the router (``blazecore.router``): the obvious per-row loop in float64.
 
 Inputs may be any float dtype (bfloat16 through ml_dtypes included); everything is computed in float64.
 Ids come back as int64, gates and gradients as float64.

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blazecore import _compile
-from blazecore import route_topk as rt
+from blazecore import router as rt
 from blazecore._array import BF16
-from blazecore.reference import route_topk as ref
+from blazecore.reference import router as ref
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
 # dlogits are rounded to the logits' dtype once; gates are fp32 from exactly representable inputs.
@@ -630,7 +630,7 @@ def test_gpu_non_default_stream_and_allocator():
 
 
 def test_kernel_table_is_registered():
-    names = _compile.KERNELS["route_topk.cu"]
+    names = _compile.KERNELS["router.cu"]
     for kernel, ct, (w, v) in itertools.product(rt._ROW_KERNELS, rt._CTYPES.values(), rt._ROW_CONFIGS):
         assert rt._name(kernel, ct, w, v) in names
     assert rt._FINALIZE in names

@@ -1,4 +1,4 @@
-"""What ``python -m blazecore info`` reports: the GPU, CUDA, NVRTC and library versions, the kernel cache.
+"""What ``blazecore info`` reports: the GPU, CUDA, NVRTC and library versions, the kernel cache.
 
 Every probe is guarded: a missing library, driver or GPU is reported as such, never raised. Versions of
 optional libraries come from the installed distributions' metadata; torch and jax are imported only to
@@ -8,10 +8,39 @@ ask which devices they see.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import os
 import platform
 import subprocess
 import sys
+
+import blazecore
+
+NO_DRIVER = "no NVIDIA driver or GPU found"
+
+
+def _editable_checkout() -> str | None:
+    """The source directory when blazecore is installed from a checkout in editable mode (pip install -e), else None."""
+    try:
+        text = metadata.distribution("blazecore").read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        text = None
+    if text:
+        try:
+            url = json.loads(text)
+        except ValueError:
+            url = {}
+        if url.get("dir_info", {}).get("editable") and str(url.get("url", "")).startswith("file://"):
+            return url["url"][len("file://"):]
+    return None
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds the optional dependencies ``extra`` to this installation."""
+    checkout = _editable_checkout()
+    if checkout is not None:
+        return f"pip install -e '{checkout}[{extra}]'"
+    return f"pip install 'blazecore[{extra}]'"
 
 
 def _dist_version(*names: str) -> tuple[str, str] | None:
@@ -40,10 +69,10 @@ def _cupy_info() -> dict:
     info["cupy"] = f"{dist[1]} ({dist[0]})" if dist else None
     if dist is None:
         info["gpus"] = []
-        info["gpu_error"] = "cupy is not installed (pip install -e '.[cuda12]' or '.[cuda13]')"
+        info["gpu_error"] = f"cupy is not installed ({install_hint('cuda12')}, or cuda13 for CUDA 13)"
         return info
     try:
-        from . import _compile
+        from blazecore import _compile
 
         info["nvrtc"] = ".".join(str(v) for v in _compile.nvrtc_version())
     except Exception as exc:
@@ -62,7 +91,7 @@ def _cupy_info() -> dict:
         v = cupy.cuda.runtime.driverGetVersion()
         info["cuda_driver"] = _cuda_version(v) if v > 0 else None  # 0: no driver installed
         if v <= 0:
-            info["cuda_driver_error"] = "no CUDA driver"
+            info["cuda_driver_error"] = NO_DRIVER
     except Exception as exc:
         info["cuda_driver"] = None
         info["cuda_driver_error"] = _why(exc)
@@ -70,7 +99,7 @@ def _cupy_info() -> dict:
     try:
         import cupy
 
-        from ._compile import arch_for_capability
+        from blazecore._compile import arch_for_capability
 
         for i in range(cupy.cuda.runtime.getDeviceCount()):
             p = cupy.cuda.runtime.getDeviceProperties(i)
@@ -79,7 +108,9 @@ def _cupy_info() -> dict:
                          "memory_bytes": int(p["totalGlobalMem"]), "sm_count": int(p["multiProcessorCount"]),
                          "kernel_arch": arch_for_capability(p["major"], p["minor"])})
     except Exception as exc:
-        info["gpu_error"] = _why(exc)
+        no_driver = info.get("cuda_driver_error") == NO_DRIVER or any(
+            code in str(exc) for code in ("cudaErrorInsufficientDriver", "cudaErrorNoDevice"))
+        info["gpu_error"] = NO_DRIVER if no_driver else _why(exc)
     info["gpus"] = gpus
     return info
 
@@ -133,7 +164,7 @@ def _jax_info() -> dict | None:
 
 
 def _cache_info() -> dict:
-    from ._compile import cache_dir
+    from blazecore._compile import cache_dir
 
     path = cache_dir()
     info = {"path": str(path), "exists": path.is_dir(), "files": 0, "bytes": 0}
@@ -150,7 +181,6 @@ def _cache_info() -> dict:
 
 def collect() -> dict:
     """Everything ``info`` prints, as a JSON-able dict."""
-    from . import __version__
 
     versions = {}
     for name in ("numpy", "ml_dtypes", "transformers", "matplotlib"):
@@ -161,8 +191,8 @@ def collect() -> dict:
         if dist:
             versions[name] = dist[1]
     return {
-        "blazecore": __version__,
-        "location": os.path.dirname(os.path.abspath(__file__)),
+        "blazecore": blazecore.__version__,
+        "location": os.path.dirname(os.path.abspath(blazecore.__file__)),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "libraries": versions,
@@ -185,7 +215,7 @@ def format_info(info: dict) -> str:
     else:
         why = c.get("gpu_error") or "no CUDA device"
         lines.append(f"GPU: none ({why}); blazecore runs its NumPy reference on CPU arrays")
-    driver = c.get("cuda_driver") or c.get("nvidia_smi_driver") or f"n/a ({c.get('cuda_driver_error', 'no driver')})"
+    driver = c.get("cuda_driver") or c.get("nvidia_smi_driver") or f"n/a ({c.get('cuda_driver_error', NO_DRIVER)})"
     if c.get("cuda_driver") and c.get("nvidia_smi_driver"):
         driver = f"{c['cuda_driver']} (driver {c['nvidia_smi_driver']})"
     lines.append(f"CUDA driver: {driver}")
@@ -194,7 +224,7 @@ def format_info(info: dict) -> str:
     lines.append(f"NVRTC: {c.get('nvrtc') or 'n/a (' + c.get('nvrtc_error', 'cupy missing') + ')'}")
     t = info["torch"]
     if t is None:
-        lines.append("torch: not installed (pip install -e '.[torch]' for train, bench and the PyTorch adapter)")
+        lines.append(f"torch: not installed ({install_hint('torch')} for train, bench and the PyTorch adapter)")
     else:
         dev = ", ".join(t.get("devices", [])) or "no CUDA device"
         lines.append(f"torch: {t['version']} (CUDA {t.get('cuda')}; {dev}); blazecore_torch "
@@ -215,8 +245,6 @@ def format_info(info: dict) -> str:
 
 
 def main(as_json: bool = False, out=None) -> int:
-    import json
-
     out = out if out is not None else sys.stdout
     info = collect()
     print(json.dumps(info, indent=1) if as_json else format_info(info), file=out)

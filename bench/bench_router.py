@@ -9,7 +9,7 @@ mode and method) go to bench/results/route_topk_<gpu>.json, each with the GPU, C
 the git commit and the date. GB/s counts the bytes each kernel must move (logits read once, outputs
 written once). A row's speedup is left out (null) when the two methods disagree on the ids or gates.
 
-    python bench/bench_route_topk.py [--quick]
+    python bench/bench_router.py [--quick]
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ def _need_gpu():
 
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no driver, no cupy, ...
-        sys.exit(f"bench_route_topk: no CUDA GPU available ({type(e).__name__}: {e}); this benchmark needs one")
+        sys.exit(f"bench_router: no CUDA GPU available ({type(e).__name__}: {e}); this benchmark needs one")
     if n == 0:
-        sys.exit("bench_route_topk: no CUDA GPU available; this benchmark needs one")
+        sys.exit("bench_router: no CUDA GPU available; this benchmark needs one")
     try:
         import torch
     except ImportError:
-        sys.exit("bench_route_topk: needs PyTorch with CUDA for the reference (pip install torch)")
+        sys.exit("bench_router: needs PyTorch with CUDA for the reference (pip install torch)")
     if not torch.cuda.is_available():
-        sys.exit("bench_route_topk: torch.cuda.is_available() is False; this benchmark needs a CUDA GPU")
+        sys.exit("bench_router: torch.cuda.is_available() is False; this benchmark needs a CUDA GPU")
     return cupy, torch
 
 
@@ -173,7 +173,7 @@ def main():
     cupy, torch = _need_gpu()
     sys.path.insert(0, str(ROOT))
     import blazecore
-    from blazecore import route_topk as rt
+    from blazecore import router as rt
 
     tokens = TOKENS[1:2] if args.quick else TOKENS
     repeats = 5 if args.quick else args.repeats

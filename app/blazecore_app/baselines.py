@@ -5,8 +5,8 @@ gates (L, K) float32, expert_ids (L, K) integer. For every (token t, k) with e =
 
     a = x_t w1[e]^T,  b = x_t w3[e]^T,  hcur = silu(a) * b,  y_t += gates[t, k] * (hcur w2[e]^T)
 
-Two implementations, the comparison points of every blazecore benchmark (``bench/baselines.py``
-re-exports them) and of ``python -m blazecore train --baseline``:
+Two implementations, the comparison points of every blazecore benchmark and of
+``blazecore train --baseline``:
 
 * :func:`conventional_moe`: stable argsort of the flattened expert ids, a gathered copy of x in expert
   order, a Python loop over experts of ``F.linear`` -> unfused activation -> ``F.linear``, gate scaling
@@ -21,17 +21,17 @@ own dtype). Activations and optional biases b13 (E, 2h or h) and b2 (E, d) follo
 
 :class:`BaselineMoELayer` is a drop-in for ``blazecore_torch.MoELayer`` (same parameters, same
 ``forward(x) -> (y, aux)``) whose router (:func:`route_topk`, :func:`load_balancing_loss`,
-:func:`router_z_loss`) and experts are these plain torch functions. This module imports only torch,
-never blazecore.
+:func:`router_z_loss`) and experts are these plain torch functions; its parameters are set up by
+``blazecore_torch.layer.add_moe_parameters``, the set-up of ``MoELayer`` itself. Everything else is plain torch.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
+from blazecore_torch.layer import add_moe_parameters, reset_moe_parameters
 from torch import nn
 
 __all__ = [
@@ -177,22 +177,29 @@ def _grouped_mm_fn():
 
 @functools.lru_cache(maxsize=None)
 def _probe_grouped_mm(device: str, dtype: torch.dtype) -> str | None:
-    """Run a tiny grouped_mm forward and backward on (device, dtype); None if it works, else why not."""
+    """Run a tiny grouped_mm forward and backward on (device, dtype); None if it works, else why not.
+
+    The probe builds its own autograd graph, so it runs (and its cached answer holds) whatever the caller's
+    grad mode: the first call may come from inside ``torch.no_grad()`` (an evaluation pass)."""
     try:
-        gmm = _grouped_mm_fn()
-        dev = torch.device(device)
-        a = torch.ones(24, 16, device=dev, dtype=dtype, requires_grad=True)
-        w = torch.ones(3, 32, 16, device=dev, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 8, 24], device=dev, dtype=torch.int32)  # an empty group in the middle
-        out = gmm(a, w.transpose(-2, -1), offs=offs)
-        torch.autograd.grad(out, (a, w), torch.ones_like(out))
+        with torch.enable_grad():
+            return _run_probe(device, dtype)
     except BaselineUnavailable as exc:
         return str(exc)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         return f"torch._grouped_mm does not run on {device} {dtype} (torch {torch.__version__}): {first}"
-    return None
+
+
+def _run_probe(device: str, dtype: torch.dtype) -> None:
+    gmm = _grouped_mm_fn()
+    dev = torch.device(device)
+    a = torch.ones(24, 16, device=dev, dtype=dtype, requires_grad=True)
+    w = torch.ones(3, 32, 16, device=dev, dtype=dtype, requires_grad=True)
+    offs = torch.tensor([8, 8, 24], device=dev, dtype=torch.int32)  # an empty group in the middle
+    out = gmm(a, w.transpose(-2, -1), offs=offs)
+    torch.autograd.grad(out, (a, w), torch.ones_like(out))
 
 
 def grouped_mm_unsupported(x, w13, w2) -> str | None:
@@ -305,26 +312,6 @@ def router_z_loss(logits):
     if logits.shape[0] == 0:
         return logits.new_zeros((), dtype=dt)
     return torch.logsumexp(logits.to(dt), dim=-1).square().mean()
-
-
-def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
-                       device=None, dtype=None) -> None:
-    """The parameters both MoE layers own (``MoELayer`` and :class:`BaselineMoELayer`), initialised by
-    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)."""
-    fk = {"device": device, "dtype": dtype}
-    module.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
-    module.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **fk))
-    module.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
-    reset_moe_parameters(module)
-
-
-def reset_moe_parameters(module: nn.Module) -> None:
-    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router.
-    One order for both layers, so the same seed gives the same weights."""
-    d, h = module.gate_up_proj.shape[2], module.down_proj.shape[2]
-    nn.init.uniform_(module.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
-    nn.init.uniform_(module.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
-    module.router.reset_parameters()
 
 
 class BaselineMoELayer(nn.Module):

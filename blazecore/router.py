@@ -20,8 +20,8 @@ Auxiliary losses (p_t = softmax(x_t), lse_t = logsumexp(x_t)):
 
 Both are 0 for L = 0. Only P carries a gradient in aux (f is a count).
 
-GPU inputs run the kernels of ``cuda/route_topk.cu`` (one fused kernel for the forward, one for the
-backward; see that file for the layout); CPU inputs run ``blazecore.reference.route_topk``. Neither path
+GPU inputs run the kernels of ``cuda/router.cu`` (one fused kernel for the forward, one for the
+backward; see that file for the layout); CPU inputs run ``blazecore.reference.router``. Neither path
 synchronises with the host unless ``validate=True`` is asked for.
 
 On ties. Without a bias the GPU ranks experts by the logit itself (the score is increasing in it, so the
@@ -36,7 +36,7 @@ import numpy as np
 
 from . import _array, _compile, _validate
 from ._array import BF16, logical_dtype
-from .reference import route_topk as _ref
+from .reference import router as _ref
 
 __all__ = [
     "MAX_EXPERTS",
@@ -48,7 +48,7 @@ __all__ = [
     "router_z_loss_backward",
 ]
 
-_FILE = "route_topk.cu"
+_FILE = "router.cu"
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 _LOGIT_DTYPES = tuple(_CTYPES)
 _SCORES = {"softmax": 0, "sigmoid": 1}

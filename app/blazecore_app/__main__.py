@@ -1,0 +1,7 @@
+"""``python -m blazecore_app``: the ``blazecore`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
