@@ -48,6 +48,33 @@ def moe_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def gemm_table(doc: dict) -> str:
+    """bench_gemm.py: each GEMM against torch._grouped_mm pre-gathered, then the layer."""
+    rows = doc["rows"]
+    out = [f"The six expert GEMMs against torch._grouped_mm on the pre-gathered problem, bf16 "
+           f"({_header_line(doc['header'])}); ms (TFLOP/s), ratio = blazecore / grouped_mm:", "",
+           "| shape | tokens | " + " | ".join(("gemm1", "gemm2", "dh'", "dx", "dw13", "dw2")) + " |",
+           "|---|---:|" + "---:|" * 6]
+    names = ("gemm1", "gemm2", "dhcur", "dx", "dw13", "dw2")
+    for key in sorted({(r["shape"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1])):
+        g = {r["gemm"]: r for r in rows if r["kind"] == "gemm" and (r["shape"], r["tokens"]) == key}
+        cells = []
+        for n in names:
+            r = g.get(n)
+            if r is None or r.get("blazecore_ms") is None:
+                cells.append("-")
+                continue
+            cells.append(f"{r['blazecore_tflops']:.0f} vs {r['grouped_mm_tflops']:.0f} ({r['ratio']:.2f})")
+        out.append(f"| {key[0]} | {key[1] // 1024}k | " + " | ".join(cells) + " |")
+    out += ["", "| shape | tokens | moe_ffn fwd+bwd ms | six grouped_mm ms | layer / six | grouped_mm MoE ms | "
+                "grouped_mm MoE / layer |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in (r for r in rows if r["kind"] == "layer"):
+        out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['blazecore_moe_ffn_ms']:.2f} | "
+                   f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | {r['grouped_mm_moe_ms']:.2f} | "
+                   f"{r['grouped_mm_moe_over_layer']:.2f} |")
+    return "\n".join(out)
+
+
 def dispatch_table(doc: dict) -> str:
     rows = doc["rows"]
     head = f"Dispatch build vs the sort-based build ({_header_line(doc['header'])})"
@@ -193,7 +220,7 @@ def render(section: str = "") -> str:
         kind = _kind(doc, path)
         if (kind == SCALING) != (section == "scaling"):
             continue
-        table = {"moe": moe_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
+        table = {"moe": moe_table, "gemm": gemm_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
                  "scale": scale_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")

@@ -1,0 +1,311 @@
+"""The six expert GEMMs of the layer, each against torch._grouped_mm on the same problem pre-gathered.
+
+For each shape and token count (bf16, uniform random top-k routing), one run measures:
+
+* blazecore's six GEMMs as the layer runs them (gathered operands, fused epilogues, every column slice):
+  forward+backward through the public PyTorch API (``blazecore_torch.moe_ffn``, checkpoint "ab"), with CUDA
+  events around every GEMM launch of the core's launcher, summed per GEMM per call (median over the calls);
+* the same six GEMMs by ``torch._grouped_mm`` (CUTLASS's grouped GEMM) on operands already gathered into expert
+  order: gemm1 x_g w13^T, gemm2 hcur w2^T, dh' dy_g w2, dx dz w13 (M-grouped, 2-D x 3-D with ``offs``), dw13
+  dz^T x_g and dw2 dy_g^T (g hcur) (K-grouped, the 2-D x 2-D ``offs`` form), each in the operand layout that
+  runs fastest; no gather, no activation, no combine;
+* the layer's forward+backward through ``moe_ffn`` ("ab") and the grouped_mm MoE (sort + gather + grouped_mm +
+  index_add, autograd), and the sum of the six grouped_mm GEMMs.
+
+FLOPs per GEMM: gemm1, dx, dw13 4 L K d h (gated); gemm2, dh', dw2 2 L K d h; 18 L K d h in all.
+Writes bench/results/gemm_<gpu>.json (or --results-dir) and prints the tables.
+
+Usage (repository root, GPU): python -m bench.bench_gemm [--shapes olmoe,qwen3,fine,mixtral] [--tokens 32k,128k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+try:
+    from bench import _common as common
+except ImportError:  # run as a script from bench/
+    import _common as common
+
+SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "fine": (1536, 256, 128, 8),
+          "mixtral": (4096, 14336, 8, 2)}
+GEMMS = ("gemm1", "gemm2", "dhcur", "dx", "dw13", "dw2")
+# FLOPs of each GEMM in units of L K d h (gated activation: R = 2h)
+FLOP_UNITS = {"gemm1": 4, "gemm2": 2, "dhcur": 2, "dx": 4, "dw13": 4, "dw2": 2}
+
+
+def _grouped_mm_moe():
+    try:
+        from blazecore_app.baselines import grouped_mm_moe
+    except ImportError:
+        from blazecore_torch.baseline import grouped_mm_moe
+    return grouped_mm_moe
+
+
+class GemmTimer:
+    """CUDA events around every GEMM launch of blazecore's launcher (``_moe_gpu._launch_gemm``), on the stream
+    the launch runs on; ``per_call()`` gives each GEMM's summed milliseconds per recorded call."""
+
+    def __init__(self):
+        from blazecore import _moe_gpu
+
+        self._mod = _moe_gpu
+        self._orig = _moe_gpu._launch_gemm
+        self.events: list = []  # (call index, which, start, end)
+        self.call = -1
+        self.on = False
+
+    def __enter__(self):
+        import cupy
+
+        orig = self._orig
+
+        def timed(kern, which, grid, stream, *args, **kw):
+            if not self.on:
+                return orig(kern, which, grid, stream, *args, **kw)
+            if stream is None:
+                s = cupy.cuda.get_current_stream()
+            elif isinstance(stream, int):  # a raw cudaStream_t handle
+                s = cupy.cuda.ExternalStream(stream)
+            else:
+                s = stream
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record(s)
+            out = orig(kern, which, grid, stream, *args, **kw)
+            e1.record(s)
+            self.events.append((self.call, which, e0, e1))
+            return out
+
+        self._mod._launch_gemm = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._mod._launch_gemm = self._orig
+
+    def per_call(self) -> dict:
+        import statistics
+
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+        sums: dict = {}
+        for call, which, e0, e1 in self.events:
+            key = "dhcur" if which in ("dhcur", "dh") else which
+            sums.setdefault(key, {}).setdefault(call, 0.0)
+            sums[key][call] += cupy.cuda.get_elapsed_time(e0, e1)
+        return {k: statistics.median(v.values()) for k, v in sums.items()}
+
+
+def _problem(torch, d, h, E, K, L, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bf = "cuda", torch.bfloat16
+    x = (torch.randn(L, d, device=dev, generator=g) * 0.5).to(bf)
+    w13 = (torch.randn(E, 2 * h, d, device=dev, generator=g) / d ** 0.5).to(bf)
+    w2 = (torch.randn(E, d, h, device=dev, generator=g) / h ** 0.5).to(bf)
+    ids = torch.rand(L, E, device=dev, generator=g).topk(K, dim=1).indices.to(torch.int32)
+    gates = torch.softmax(torch.randn(L, K, device=dev, generator=g), dim=1)
+    dy = (torch.randn(L, d, device=dev, generator=g) * 0.5).to(bf)
+    return x, w13, w2, gates, ids, dy
+
+
+def _pick_layout(torch, gmm, candidates: dict, offs):
+    """The fastest (a, b) layout that grouped_mm accepts: {name: (a, b)} -> (name, fn)."""
+    best = None
+    for name, (a, b) in candidates.items():
+        fn = lambda a=a, b=b: gmm(a, b, offs=offs)  # noqa: E731
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        t = common.time_call(fn, warmup=1, repeats=3, clock="torch").median_ms
+        if best is None or t < best[0]:
+            best = (t, name, fn)
+    if best is None:
+        raise RuntimeError("torch._grouped_mm accepted none of the operand layouts")
+    return best[1], best[2]
+
+
+def grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats) -> dict:
+    """{gemm: (Timing, layout)} of torch._grouped_mm on the pre-gathered problem."""
+    L, d = x.shape
+    E, R, _ = w13.shape
+    h = R // 2
+    K = ids.shape[1]
+    gmm = torch._grouped_mm
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+    xg, dyg = x[tok].contiguous(), dy[tok].contiguous()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    out = {}
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+
+    def col(t):  # the same matrix stored column-major
+        return t.t().contiguous().t()
+
+    cases = {
+        "gemm1": lambda: {"w^T view": (xg, w13.transpose(-2, -1))},
+        "gemm2": lambda: {"w^T view": (rnd(L * K, h), w2.transpose(-2, -1))},
+        "dhcur": lambda: {"w": (dyg, w2)},
+        "dx": lambda: {"w": (rnd(L * K, R), w13)},
+    }
+    for name, make in cases.items():
+        layout, fn = _pick_layout(torch, gmm, make(), offs)
+        out[name] = (common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch"), layout)
+        del fn
+        gc.collect()
+        torch.cuda.empty_cache()
+    for name, (a_rows, b_rows) in {"dw13": (lambda: rnd(L * K, R), lambda: xg),
+                                   "dw2": (lambda: dyg, lambda: rnd(L * K, h))}.items():
+        a, b = a_rows(), b_rows()  # (L*K, M) and (L*K, N): out[e] = a[e rows]^T b[e rows]
+        cands = {"a^T view, b": (a.t(), b), "a^T copy, b": (a.t().contiguous(), b),
+                 "a^T copy, b col-major": (a.t().contiguous(), col(b)), "a^T view, b col-major": (a.t(), col(b))}
+        layout, fn = _pick_layout(torch, gmm, cands, offs)
+        del cands
+        out[name] = (common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch"), layout)
+        del a, b, fn
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def blazecore_gemms(torch, ops, x, w13, w2, gates, ids, dy, *, warmup, repeats):
+    """({gemm: ms per fwd+bwd}, layer Timing) of blazecore through ``moe_ffn`` ("ab")."""
+    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
+    disp = ops.build_dispatch(ids, w13.shape[0], validate=False)
+
+    def step():
+        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
+        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
+
+    layer = common.time_call(step, warmup=warmup, repeats=repeats, clock="torch")
+    with GemmTimer() as timer:
+        step()  # warm
+        timer.on = True
+        for i in range(repeats):
+            timer.call = i
+            step()
+        per = timer.per_call()
+    return per, layer
+
+
+def grouped_mm_layer(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats):
+    """Timing of the grouped_mm MoE's forward+backward (autograd)."""
+    gmm_moe = _grouped_mm_moe()
+    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
+
+    def step():
+        y = gmm_moe(xs, w13s, w2s, gs, ids)
+        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
+
+    return common.time_call(step, warmup=warmup, repeats=repeats, clock="torch")
+
+
+def measure(torch, ops, shape, L, *, warmup, repeats) -> list:
+    d, h, E, K = SHAPES[shape]
+    x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
+    unit = L * K * d * h
+    rows = []
+    per, layer = blazecore_gemms(torch, ops, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
+    gc.collect()
+    torch.cuda.empty_cache()
+    ref = grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
+    gc.collect()
+    torch.cuda.empty_cache()
+    six = 0.0
+    for name in GEMMS:
+        flops = FLOP_UNITS[name] * unit
+        t_ref, layout = ref[name]
+        six += t_ref.median_ms
+        b = per.get(name)
+        rows.append({"shape": shape, "tokens": L, "kind": "gemm", "gemm": name, "flops": flops,
+                     "blazecore_ms": b, "blazecore_tflops": common.tflops(flops, b),
+                     "grouped_mm_ms": t_ref.median_ms, "grouped_mm_spread_ms": t_ref.spread_ms,
+                     "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": layout,
+                     "ratio": None if b is None else b / t_ref.median_ms})
+    t_gmm = grouped_mm_layer(torch, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
+    flops = 18 * unit
+    rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops,
+                 "blazecore_moe_ffn_ms": layer.median_ms, "blazecore_moe_ffn_spread_ms": layer.spread_ms,
+                 "blazecore_moe_ffn_tflops": common.tflops(flops, layer.median_ms),
+                 "six_grouped_mm_ms": six, "six_grouped_mm_tflops": common.tflops(flops, six),
+                 "grouped_mm_moe_ms": t_gmm.median_ms, "grouped_mm_moe_spread_ms": t_gmm.spread_ms,
+                 "layer_over_six": layer.median_ms / six,
+                 "grouped_mm_moe_over_layer": t_gmm.median_ms / layer.median_ms,
+                 "blazecore_gemms_sum_ms": sum(v for v in per.values())})
+    del x, w13, w2, gates, ids, dy
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def tables(rows) -> str:
+    g = [r for r in rows if r["kind"] == "gemm"]
+    cols = [("shape", "shape", None), ("tokens", lambda r: common.format_count(r["tokens"]), None),
+            ("gemm", "gemm", None), ("blazecore ms", "blazecore_ms", ".3f"), ("TF/s", "blazecore_tflops", ".0f"),
+            ("grouped_mm ms", "grouped_mm_ms", ".3f"), ("TF/s ", "grouped_mm_tflops", ".0f"),
+            ("ratio", "ratio", ".2f")]
+    lay = [r for r in rows if r["kind"] == "layer"]
+    cols2 = [("shape", "shape", None), ("tokens", lambda r: common.format_count(r["tokens"]), None),
+             ("moe_ffn ms", "blazecore_moe_ffn_ms", ".2f"), ("six grouped_mm ms", "six_grouped_mm_ms", ".2f"),
+             ("layer / six", "layer_over_six", ".2f"), ("grouped_mm MoE ms", "grouped_mm_moe_ms", ".2f"),
+             ("grouped_mm MoE / layer", "grouped_mm_moe_over_layer", ".2f")]
+    return common.format_table(g, cols) + "\n\n" + common.format_table(lay, cols2)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
+    ap.add_argument("--tokens", default="32k,128k", help="comma-separated token counts (k = 1024)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
+    args = ap.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        ap.error(f"--shapes: unknown {', '.join(bad)} (choose from {', '.join(SHAPES)})")
+    try:
+        args.token_counts = [common.parse_count(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError as exc:
+        ap.error(f"--tokens: {exc}")
+    if any(n < 1 for n in args.token_counts) or args.warmup < 0 or args.repeats < 1:
+        ap.error("--tokens must be >= 1, --warmup >= 0, --repeats >= 1")
+    args.shape_list = shapes
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ok, why = common.cuda_gpu_available()
+    if not ok:
+        print(f"bench_gemm needs a CUDA GPU: {why}", file=sys.stderr)
+        return 1
+    import pathlib
+
+    import torch
+    from blazecore_torch import ops
+
+    header = common.gpu_header()
+    header["bench"] = "gemm"
+    common.print_header(header)
+    rows = []
+    for shape in args.shape_list:
+        for L in args.token_counts:
+            rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats)
+            print(f"{shape} {L}: done", flush=True)
+    out_dir = pathlib.Path(args.results_dir) if args.results_dir else None
+    path = common.write_json("gemm", header, rows, out_dir)
+    print(tables(rows))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
