@@ -52,7 +52,7 @@ SHAPES = {
     "fine": (1536, 256, 128, 8),
 }
 DEFAULT_TOKENS = ("8k", "32k", "128k")
-IMPLS = ("blazecore", "conventional", "grouped_mm")
+IMPLS = ("blazecore", "moe_ffn", "conventional", "grouped_mm")
 POLICIES = ("ab", "none")
 ACTIVATION = "swiglu"
 # "cuda" for measurements; "cpu" (--device cpu) runs the whole flow as a smoke test of this script:
@@ -153,6 +153,25 @@ class BlazeImpl:
         return tuple(_to_torch(getattr(g, n)) for n in ("dx", "dw13", "dw2", "dgates"))
 
 
+class AdapterImpl:
+    """blazecore as users call it: ``blazecore_torch.moe_ffn`` with autograd (the dispatch built inside)."""
+
+    def __init__(self, ops, policy):
+        self.key, self.name, self.checkpoint = f"moe_ffn[{policy}]", "moe_ffn", policy
+        self._ops, self._policy = ops, policy
+
+    def availability(self, p):
+        return None
+
+    def forward(self, p):
+        return self._ops.moe_ffn(*p.leaves, p.expert_ids, activation=ACTIVATION, checkpoint=self._policy), None
+
+    def backward(self, p, y, state):
+        import torch
+
+        return torch.autograd.grad(y, p.leaves, p.dy)
+
+
 def _to_torch(a):
     """A blazecore output as a torch tensor (zero-copy): torch already, cupy, or numpy (CPU path)."""
     import numpy as np
@@ -188,6 +207,16 @@ def build_impls(args, baselines):
                     out.append((MissingImpl(f"blazecore[{policy}]", "blazecore", policy), reason))
                 else:
                     out.append((BlazeImpl(bc, policy), None))
+        elif name == "moe_ffn":
+            try:
+                from blazecore_torch import ops
+            except Exception as exc:  # the rows say why
+                ops, reason = None, f"import blazecore_torch failed: {type(exc).__name__}: {exc}"
+            for policy in args.policies:
+                if ops is None:
+                    out.append((MissingImpl(f"moe_ffn[{policy}]", "moe_ffn", policy), reason))
+                else:
+                    out.append((AdapterImpl(ops, policy), None))
         elif name == "conventional":
             out.append((TorchImpl("conventional", baselines.conventional_moe), None))
         elif name == "grouped_mm":
@@ -300,7 +329,8 @@ def measure_memory(impl, p):
     if DEVICE != "cuda":
         y, state = impl.forward(p)
         impl.backward(p, y, state)
-        return {"held_bytes": None, "peak_bytes": None, "cupy_pool_held_bytes": None, "saved_held_bytes": None}
+        return {"held_bytes": None, "peak_bytes": None, "cupy_pool_held_bytes": None, "saved_held_bytes": None,
+                "grad_bytes": None, "peak_beyond_grads_bytes": None}
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -314,10 +344,13 @@ def measure_memory(impl, p):
     grads = impl.backward(p, y, state)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
     del y, state, grads
     return {
         "held_bytes": held,
         "peak_bytes": peak,
+        "grad_bytes": grad_bytes,  # the returned dx, dw13, dw2, dgates
+        "peak_beyond_grads_bytes": peak - grad_bytes,
         "cupy_pool_held_bytes": None if cupy_base is None or cupy_now is None else cupy_now - cupy_base,
         "saved_held_bytes": saved_held,
     }
@@ -445,6 +478,11 @@ def _speedups(group):
         for base_key, field in (("grouped_mm", "speedup_vs_grouped_mm"), ("conventional", "speedup_vs_conventional")):
             base = by_key.get(base_key)
             r[field] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"] if usable(r) and usable(base) else None
+        base = by_key.get("grouped_mm")
+        ok = usable(r) and usable(base) and r.get("peak_beyond_grads_bytes") and base.get("peak_beyond_grads_bytes")
+        # peak minus the returned gradients, as a share of grouped_mm's
+        r["peak_beyond_grads_vs_grouped_mm"] = (r["peak_beyond_grads_bytes"] / base["peak_beyond_grads_bytes"]
+                                                if ok else None)
 
 
 def _base_row(shape_name, shape, L, impl, args):
@@ -576,6 +614,9 @@ TABLE = [
     ("TFLOP/s", "fwd_bwd_tflops", ".1f"),
     ("held MiB", _mib("held_bytes"), ".0f"),
     ("peak MiB", _mib("peak_bytes"), ".0f"),
+    ("peak-grads MiB", _mib("peak_beyond_grads_bytes"), ".0f"),
+    ("% of gmm", lambda r: None if r.get("peak_beyond_grads_vs_grouped_mm") is None
+     else 100 * r["peak_beyond_grads_vs_grouped_mm"], ".1f"),
     ("x vs gmm", "speedup_vs_grouped_mm", ".2f"),
     ("note", _note, None),
 ]

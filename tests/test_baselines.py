@@ -343,7 +343,8 @@ def test_bench_moe_cpu_smoke(monkeypatch, tmp_path, capsys):
     doc = json.loads((tmp_path / "moe_cpu.json").read_text())
     assert doc["header"]["device"] == "cpu" and doc["header"]["git_commit"]
     rows = {(r["tokens"], r["impl_key"]): r for r in doc["rows"]}
-    assert set(rows) == {(L, k) for L in (40, 64) for k in ("blazecore[ab]", "conventional", "grouped_mm")}
+    assert set(rows) == {(L, k) for L in (40, 64) for k in ("blazecore[ab]", "moe_ffn[ab]", "conventional",
+                                                            "grouped_mm")}
     for L in (40, 64):
         conv = rows[(L, "conventional")]
         assert conv["status"] == "ok" and conv["check_ok"] is True and conv["fwd_bwd_ms"] > 0
@@ -353,6 +354,8 @@ def test_bench_moe_cpu_smoke(monkeypatch, tmp_path, capsys):
             assert gmm["speedup_vs_grouped_mm"] == pytest.approx(1.0)
             assert conv["speedup_vs_grouped_mm"] == pytest.approx(gmm["fwd_bwd_ms"] / conv["fwd_bwd_ms"])
         assert rows[(L, "blazecore[ab]")]["status"] in ("ok", "unavailable", "error")
+        ffn = rows[(L, "moe_ffn[ab]")]  # the public adapter, checked against the float32 reference like the rest
+        assert ffn["status"] == "ok" and ffn["check_ok"] is True, ffn.get("message")
     assert "## all rows" in capsys.readouterr().out
 
 
