@@ -113,8 +113,9 @@ def _detach(*tensors):
 
 
 def _np(t: torch.Tensor | None):
-    """NumPy view of a CPU tensor for the float64 reference path."""
-    return None if t is None else t.detach().numpy()
+    """NumPy view of a CPU tensor for the float64 reference path. Through DLPack, not ``Tensor.numpy()``: that
+    marks the storage non-resizable, and FSDP2 frees an unsharded parameter by resizing its storage to 0."""
+    return None if t is None else np.from_dlpack(t.detach())
 
 
 def _is_f64(t: torch.Tensor) -> bool:
