@@ -25,7 +25,7 @@ import gc
 import sys
 
 try:
-    from bench import _common as common
+    from . import _common as common
 except ImportError:  # run as a script from bench/
     import _common as common
 

@@ -4,8 +4,8 @@ The reference is what a PyTorch router does: scores = softmax(logits.float()) (o
 scores (+ bias), gather, renormalise, and autograd for the backward. Both run on torch's current stream;
 blazecore's outputs are allocated by torch (blazecore.allocator), so peak memory is comparable.
 
-Timing: CUDA events around `--iters` calls, median of `--repeats`, after a warm-up. Rows (one per shape,
-mode and method) go to bench/results/route_topk_<gpu>.json, each with the GPU, CUDA and library versions,
+Timing: bench/_common.py's timer, CUDA events around `--iters` calls, median of `--repeats`, after a warm-up.
+Rows (one per shape, mode and method) go to bench/results/route_topk_<gpu>.json, each with the GPU, CUDA and library versions,
 the git commit and the date. GB/s counts the bytes each kernel must move (logits read once, outputs
 written once). A row's speedup is left out (null) when the two methods disagree on the ids or gates.
 
@@ -18,10 +18,14 @@ import argparse
 import datetime
 import json
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+try:
+    from . import _common as common
+except ImportError:  # run as a script from bench/
+    import _common as common
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES_EK = [(8, 2), (64, 8), (128, 8), (256, 8), (512, 8)]
@@ -56,20 +60,9 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _time(torch, fn, iters, repeats, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)  # ms
+def _time(fn, iters, repeats, warmup=5):
+    """Median ms per call: samples of ``iters`` back-to-back calls (CUDA events on torch's stream)."""
+    return common.time_call(fn, warmup=warmup, repeats=repeats, inner=iters, clock="torch").median_ms
 
 
 def _peak(torch, fn) -> int:
@@ -136,11 +129,11 @@ def _bench_case(torch, rt, header, L, E, K, score, renorm, use_bias, stream, ite
     dense = score == "softmax" and not renorm
     bwd_bytes = L * K * 8 + (L * E * isz if dense else L * K * isz) + L * E * isz
     t = {
-        ("blazecore", "fwd"): _time(torch, ours_fwd, iters, repeats),
-        ("blazecore", "bwd"): _time(torch, ours_bwd, iters, repeats),
-        ("blazecore", "fwd+bwd"): _time(torch, ours_both, iters, repeats),
-        ("torch", "fwd"): _time(torch, lambda: torch_fwd(), iters, repeats),
-        ("torch", "fwd+bwd"): _time(torch, torch_both, iters, repeats),
+        ("blazecore", "fwd"): _time(ours_fwd, iters, repeats),
+        ("blazecore", "bwd"): _time(ours_bwd, iters, repeats),
+        ("blazecore", "fwd+bwd"): _time(ours_both, iters, repeats),
+        ("torch", "fwd"): _time(lambda: torch_fwd(), iters, repeats),
+        ("torch", "fwd+bwd"): _time(torch_both, iters, repeats),
     }
     t[("torch", "bwd")] = t[("torch", "fwd+bwd")] - t[("torch", "fwd")]
     peak = {"blazecore": _peak(torch, ours_both), "torch": _peak(torch, torch_both)}
@@ -171,7 +164,6 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     cupy, torch = _need_gpu()
-    sys.path.insert(0, str(ROOT))
     import blazecore
     from blazecore import router as rt
 

@@ -32,14 +32,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import blazecore  # noqa: E402
-from blazecore import BF16, moe  # noqa: E402
-from blazecore import dispatch as D  # noqa: E402
-from blazecore import router as rt  # noqa: E402
-from blazecore.reference import moe as ref_moe  # noqa: E402
-from blazecore.reference import router as ref_rt  # noqa: E402
+import blazecore
+from blazecore import BF16, moe
+from blazecore import dispatch as D
+from blazecore import router as rt
+from blazecore.reference import moe as ref_moe
+from blazecore.reference import router as ref_rt
 
 CASES = {}
 

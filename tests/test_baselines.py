@@ -1,4 +1,4 @@
-"""The PyTorch baselines of bench/baselines.py against a float64 NumPy loop: y and every gradient.
+"""The PyTorch baselines (blazecore_app.baselines) against a float64 NumPy loop: y and every gradient.
 
 CPU only (the benchmarks run them on the GPU). The conventional baseline runs in float64, float32 and
 bf16; the torch._grouped_mm one in float32 and bf16 (its kernels take no float64), where this torch
@@ -8,8 +8,6 @@ build supports it.
 from __future__ import annotations
 
 import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -17,10 +15,7 @@ from conftest import assert_close
 
 torch = pytest.importorskip("torch")
 
-_BASELINES_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "baselines.py"
-_spec = importlib.util.spec_from_file_location("blazecore_bench_baselines", _BASELINES_PATH)
-baselines = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(baselines)
+from blazecore_app import baselines  # noqa: E402
 
 # Relative norm error against the float64 reference, per dtype (docs/conventions.md).
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -315,12 +310,7 @@ def test_activations_and_biases(fn, dtype, activation, bias):
 
 
 def _load_bench(monkeypatch, name):
-    monkeypatch.syspath_prepend(str(_BASELINES_PATH.parent))
-    spec = importlib.util.spec_from_file_location(f"blazecore_bench_{name}", _BASELINES_PATH.parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"blazecore_app.bench.{name}")
 
 
 def test_bench_helpers(monkeypatch):

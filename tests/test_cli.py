@@ -1,39 +1,50 @@
-"""The command line (``python -m blazecore``): parsing, ``info`` and ``bench`` without a GPU, the import rule,
-and the bench report and plots on a results document (CPU only; ``train`` is tested in test_train.py)."""
+"""The command line (``blazecore``, ``python -m blazecore``): parsing, one-line errors for bad options and failed
+runs, ``train`` with each MoE implementation for a few steps, ``info`` and ``bench`` without a GPU, and the bench
+report and plots on a results document (CPU only; the training example itself is tested in test_train.py)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from blazecore_app import cli
 from conftest import gpu_available
 
-from blazecore import __main__ as cli
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# a tiny model: a few CPU steps take about a second
+TINY = ["--device", "cpu", "--steps", "3", "--batch", "4", "--seq-len", "16", "--d-model", "32", "--layers", "1",
+        "--heads", "2", "--experts", "4", "--top-k", "2", "--expert-hidden", "32", "--corpus-tokens", "20000",
+        "--eval-batches", "1", "--sample-tokens", "0"]
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
-    return env
+def _run(*args, cwd, timeout=300):
+    """``python -m blazecore ARGS`` in a subprocess, from ``cwd`` (not the checkout)."""
+    return subprocess.run([sys.executable, "-m", "blazecore", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
 
 
-def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(),
-                          cwd=ROOT)
+def _main(argv, capsys):
+    """(exit status, stdout, stderr) of ``cli.main(argv)``, argparse's exits included."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize("argv", [
     ["train"], ["train", "--steps", "3", "--layers", "1", "--baseline", "--ckpt", "d", "--resume", "--log", "l.json"],
     ["train", "--baseline", "grouped_mm", "--dtype", "float64", "--device", "cpu", "--checkpoint-policy", "none"],
+    ["train", "--chunks", "auto"], ["train", "--chunks", "4", "--lr", "0.5", "--warmup", "0"],
     ["bench"], ["bench", "--shape", "fine", "--tokens", "8k,16k", "--largest-cap", "", "--no-plots", "--readme"],
-    ["info"], ["info", "--json"], ["demo", "--tokens", "100"],
-], ids=["train", "train-options", "train-baseline-gmm", "bench", "bench-options", "info", "info-json", "demo"])
+    ["bench", "--results-dir", "out"], ["info"], ["info", "--json"], ["demo", "--tokens", "100"],
+], ids=["train", "train-options", "train-baseline-gmm", "train-chunks-auto", "train-chunks", "bench", "bench-options",
+        "bench-results-dir", "info", "info-json", "demo"])
 def test_parser_accepts(argv):
     args = cli._parser().parse_args(argv)
     assert args.command == argv[0]
@@ -50,7 +61,7 @@ def test_train_options_map_to_config_fields():
 
 def test_every_train_option_is_a_config_field():
     pytest.importorskip("torch")
-    train = cli._import_torch_adapter()
+    train = cli._import_train()
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(train.TrainConfig)}
@@ -64,10 +75,128 @@ def test_bare_command_prints_help(capsys):
         assert command in out
 
 
-def test_parser_rejects_unknown_command():
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["nope"])
-    assert exc.value.code == 2
+# ------------------------------------------------------------------------------------------------
+# Bad input: one line naming the option, status 2, no traceback
+# ------------------------------------------------------------------------------------------------
+
+BAD = {
+    "unknown-command": (["nope"], "invalid choice"),
+    "train-lr-negative": (["train", "--lr", "-1"], "--lr"),
+    "train-lr-text": (["train", "--lr", "fast"], "--lr"),
+    "train-steps-zero": (["train", "--steps", "0"], "--steps"),
+    "train-activation": (["train", "--activation", "tanh"], "--activation"),
+    "train-baseline": (["train", "--baseline", "fused"], "--baseline"),
+    "train-chunks": (["train", "--chunks", "0"], "--chunks"),
+    "train-dtype": (["train", "--dtype", "int8"], "--dtype"),
+    "train-device": (["train", "--device", "tpu:3", "--print-config"], "--device"),
+    "train-top-k": (["train", "--device", "cpu", "--experts", "2", "--top-k", "3", "--print-config"], "top_k"),
+    "train-heads": (["train", "--device", "cpu", "--d-model", "30", "--heads", "4", "--print-config"], "n_heads"),
+    "demo-top-k": (["demo", "--top-k", "100"], "--top-k"),
+    "demo-tokens": (["demo", "--tokens", "-5"], "--tokens"),
+    "demo-device": (["demo", "--device", "tpu"], "--device"),
+    "bench-repeats": (["bench", "--repeats", "0"], "--repeats"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_option_is_one_line(case, capsys):
+    if case.startswith("train-") and case in ("train-device", "train-top-k", "train-heads"):
+        pytest.importorskip("torch")
+    argv, names = BAD[case]
+    code, out, err = _main(argv, capsys)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"blazecore{' ' + argv[0] if argv[0] != 'nope' else ''}: error: ") and names in lines[0]
+    assert "Traceback" not in err + out
+
+
+def test_bad_options_in_a_process_print_no_traceback(tmp_path):
+    """The installed entry point, from another directory: the same one line and status 2."""
+    for argv, names in (BAD["train-lr-negative"][0] + ["--device", "cpu"], "--lr"), (BAD["demo-top-k"][0], "--top-k"):
+        r = _run(*argv, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and names in r.stderr
+        assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_failure_inside_a_run_is_one_line_and_a_log(monkeypatch, capsys):
+    def broken(args):
+        raise RuntimeError("the kernel cache is\nunreadable")
+
+    monkeypatch.setitem(cli._COMMANDS, "demo", broken)
+    code, out, err = _main(["demo"], capsys)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "blazecore demo: failed: RuntimeError: the kernel cache is unreadable" in lines[0]
+    log = pathlib.Path(lines[0].rsplit("traceback in ", 1)[1].rstrip(")"))
+    try:
+        text = log.read_text()
+        assert "Traceback" in text and "RuntimeError" in text
+    finally:
+        log.unlink()
+
+
+# ------------------------------------------------------------------------------------------------
+# train: blazecore and both baselines, a few steps on the CPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["blazecore", "conventional", "grouped_mm"])
+def test_train_runs_a_few_steps(impl, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from blazecore_app import baselines
+
+    if impl == "grouped_mm":
+        why = baselines.grouped_mm_unsupported(torch.zeros(1, 32), torch.zeros(1, 64, 32), torch.zeros(1, 32, 32))
+        if why is not None:
+            pytest.skip(why)
+    log = tmp_path / "log.json"
+    argv = ["train", *TINY, "--log", str(log)] + ([] if impl == "blazecore" else ["--baseline", impl])
+    code, out, err = _main(argv, capsys)
+    assert code == 0, err
+    assert "Traceback" not in err
+    doc = json.loads(log.read_text())
+    assert doc["impl"] == impl and doc["status"] == "done" and [h["step"] for h in doc["history"]] == [1, 2, 3]
+    assert all(v == v for v in (doc["summary"]["first_loss"], doc["summary"]["final_loss"]))  # finite, not NaN
+
+
+def test_grouped_mm_probe_ignores_the_callers_grad_mode():
+    """The support probe's first call may come from an evaluation under no_grad; its answer must not depend on
+    it (it is cached)."""
+    torch = pytest.importorskip("torch")
+    from blazecore_app import baselines
+
+    x, w13, w2 = torch.zeros(4, 32), torch.zeros(2, 64, 32), torch.zeros(2, 32, 32)
+    baselines._probe_grouped_mm.cache_clear()
+    with torch.no_grad():
+        quiet = baselines.grouped_mm_unsupported(x, w13, w2)
+    baselines._probe_grouped_mm.cache_clear()
+    assert quiet == baselines.grouped_mm_unsupported(x, w13, w2)
+    if quiet is None:  # where grouped_mm runs, the baseline runs under no_grad after the probe
+        with torch.no_grad():
+            y = baselines.grouped_mm_moe(x, w13, w2, torch.ones(4, 1), torch.zeros(4, 1, dtype=torch.int64))
+        assert y.shape == (4, 32)
+
+
+def test_train_print_config_cpu(capsys):
+    pytest.importorskip("torch")
+    assert cli.main(["train", "--device", "cpu", "--steps", "7", "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["steps"] == 7 and cfg["device"] == "cpu" and cfg["dtype"] == "float32" and cfg["impl"] == "blazecore"
+
+
+def test_train_unavailable_baseline_is_a_usage_error(capsys):
+    """grouped_mm has no float64 kernels: the run refuses before it starts, in one line."""
+    pytest.importorskip("torch")
+    code, _, err = _main(["train", *TINY, "--dtype", "float64", "--baseline", "grouped_mm"], capsys)
+    assert code == 2 and err.startswith("blazecore train: error: --baseline grouped_mm: ")
+    assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# info, bench, demo
+# ------------------------------------------------------------------------------------------------
 
 
 def test_info_without_failing(capsys):
@@ -81,32 +210,54 @@ def test_info_without_failing(capsys):
         assert info["cuda"]["gpus"] == []
 
 
+def _no_driver() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.driverGetVersion() == 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _no_driver(), reason="checks the message of a machine without an NVIDIA driver")
+def test_info_says_no_driver(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU: none (no NVIDIA driver or GPU found)" in out and "InsufficientDriver" not in out
+
+
+def test_install_hint_follows_the_installation(monkeypatch):
+    from blazecore_app import info
+
+    monkeypatch.setattr(info, "_editable_checkout", lambda: None)  # a wheel install
+    assert info.install_hint("torch") == "pip install 'blazecore[torch]'"
+    monkeypatch.setattr(info, "_editable_checkout", lambda: "/src/blazecore")
+    assert info.install_hint("plot") == "pip install -e '/src/blazecore[plot]'"
+
+
 @pytest.mark.skipif(gpu_available(), reason="checks the message of a machine without a GPU")
-def test_bench_without_gpu_fails_clearly():
-    r = _run("-m", "blazecore", "bench")
-    assert r.returncode != 0
+def test_bench_without_gpu_fails_clearly(tmp_path):
+    r = _run("bench", cwd=tmp_path)
+    assert r.returncode == 1
     assert "needs a CUDA GPU" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+    assert not any(tmp_path.iterdir())
 
 
-def test_import_does_no_framework_work():
-    r = _run("-c", "import sys, blazecore, blazecore.__main__, blazecore._info; "
-                   "print(sorted(m for m in ('torch', 'jax', 'cupy', 'matplotlib') if m in sys.modules))")
+def test_demo_cpu(capsys):
+    code, out, err = _main(["demo", "--tokens", "300", "--experts", "8", "--top-k", "2", "--device", "cpu",
+                            "--repeats", "2"], capsys)
+    assert code == 0, err
+    assert "agrees with the NumPy argsort build" in out and "median of 2" in out
+
+
+def test_import_does_no_framework_work(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "import sys, blazecore, blazecore.__main__, blazecore_app.cli, "
+                        "blazecore_app.info, blazecore.testing; print(sorted(m for m in ('torch', 'jax', 'cupy', "
+                        "'matplotlib', 'blazecore_torch') if m in sys.modules))"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
-
-
-def test_train_print_config_cpu(capsys):
-    pytest.importorskip("torch")
-    assert cli.main(["train", "--device", "cpu", "--steps", "7", "--print-config"]) == 0
-    cfg = json.loads(capsys.readouterr().out)
-    assert cfg["steps"] == 7 and cfg["device"] == "cpu" and cfg["dtype"] == "float32" and cfg["impl"] == "blazecore"
-
-
-def test_train_bad_option_is_a_message(capsys):
-    pytest.importorskip("torch")
-    assert cli.main(["train", "--device", "cpu", "--experts", "2", "--top-k", "3", "--print-config"]) == 2
-    assert "top_k" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,11 +282,7 @@ def _scaling_doc():
 
 
 def _bench_module(name):
-    sys.path.insert(0, str(ROOT))
-    try:
-        return __import__(f"bench.{name}", fromlist=[name])
-    finally:
-        sys.path.remove(str(ROOT))
+    return importlib.import_module(f"blazecore_app.bench.{name}")
 
 
 def test_scaling_report_marks_oom(tmp_path, monkeypatch):

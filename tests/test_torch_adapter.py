@@ -2,7 +2,7 @@
 
 CPU cases run the core's reference path (float64 runs blazecore.reference directly, which gradcheck
 needs); GPU cases (@pytest.mark.gpu) check the same on CUDA in bf16 and that torch's allocator owns the
-memory. The layer is compared with the conventional PyTorch MoE of bench/baselines.py on the same weights
+memory. The layer is compared with the conventional PyTorch MoE of blazecore_app.baselines on the same weights
 and the same routing, computed independently in torch. The transformers backend "blazecore" is compared
 with transformers' "eager" experts on tiny random Mixtral, Qwen3-MoE and OLMoE models (skipped without
 transformers).
@@ -10,7 +10,6 @@ transformers).
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -27,11 +26,9 @@ except ImportError:  # not installed (pip install -e .): use the source tree
     sys.path.insert(0, str(_ROOT / "adapters"))
     import blazecore_torch
 
+from blazecore_app import baselines  # noqa: E402
 from blazecore_torch import MoELayer, ops  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("blazecore_bench_baselines", _ROOT / "bench" / "baselines.py")
-baselines = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(baselines)
 
 OPS = torch.ops.blazecore
 # relative norm error against a float64 computation, per dtype (docs/conventions.md)
@@ -174,7 +171,7 @@ def test_gradcheck_aux_losses():
 
 
 # ------------------------------------------------------------------------------------------------
-# MoELayer against bench.baselines.conventional_moe
+# MoELayer against blazecore_app.baselines.conventional_moe
 # ------------------------------------------------------------------------------------------------
 
 

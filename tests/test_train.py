@@ -1,4 +1,4 @@
-"""``python -m blazecore train`` (blazecore_torch.train) on the CPU: the loss falls, a resumed run continues
+"""``blazecore train`` (blazecore_app.train) on the CPU: the loss falls, a resumed run continues
 exactly, and the conventional PyTorch MoE (``--baseline``) trains the same model to the same losses.
 
 Tiny models on blazecore's CPU reference path; every run takes well under a second per step.
@@ -9,20 +9,17 @@ from __future__ import annotations
 import io
 import json
 import pathlib
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import blazecore_torch  # noqa: F401
-except ImportError:  # not installed (pip install -e .): use the source tree
-    sys.path.insert(0, str(_ROOT / "adapters"))
 
-from blazecore_torch import MoELayer, baseline, train  # noqa: E402
-from blazecore_torch.corpus import SyntheticLanguage  # noqa: E402
+from blazecore_app import baselines as baseline  # noqa: E402
+from blazecore_app import train  # noqa: E402
+from blazecore_app.corpus import SyntheticLanguage  # noqa: E402
+from blazecore_torch import MoELayer  # noqa: E402
 
 TINY = {"steps": 6, "batch": 8, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 2, "num_experts": 4,
         "top_k": 2, "expert_hidden": 32, "corpus_tokens": 20_000, "eval_batches": 1, "sample_tokens": 0, "warmup": 2,

@@ -331,7 +331,8 @@ def _add_train_parser(sub) -> None:
     r.add_argument("--corpus-tokens", type=POSITIVE_INT, help="size of the generated corpus")
     r.add_argument("--eval-batches", type=NON_NEGATIVE_INT, help="validation batches at the start and the end")
     r.add_argument("--sample-tokens", type=NON_NEGATIVE_INT, help="words to sample from the model at the end (0: none)")
-    r.add_argument("--cpu-threads", type=NON_NEGATIVE_INT, help="CPU runs: torch and OpenBLAS threads (1; 0 leaves them)")
+    r.add_argument("--cpu-threads", type=NON_NEGATIVE_INT,
+                   help="CPU runs: torch and OpenBLAS threads (1; 0 leaves them)")
     o = p.add_argument_group("output")
     o.add_argument("--ckpt", metavar="DIR", help="save DIR/checkpoint.pt every --ckpt-every steps and at the end")
     o.add_argument("--ckpt-every", type=POSITIVE_INT, metavar="N", help="steps between checkpoints (200)")
@@ -369,7 +370,10 @@ def _cmd_bench(args) -> int:
         return 1
     from .bench import bench_moe, plot, report
 
-    results_dir = os.path.abspath(args.results_dir)
+    if args.results_dir is not None:
+        results_dir = os.path.abspath(args.results_dir)
+    else:  # the README's tables are made from the checkout's bench/results
+        results_dir = str(report.RESULTS) if args.readme else os.getcwd()
     bench_argv = ["--shapes", args.shape, "--tokens", args.tokens, "--checkpoint", args.checkpoint,
                   "--impls", args.impls, "--repeats", str(args.repeats), "--seed", str(args.seed),
                   "--name", args.name, "--kind", "moe_scaling", "--results-dir", results_dir]
@@ -412,8 +416,8 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=POSITIVE_INT, default=10, help="timed calls per figure (median)")
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     p.add_argument("--name", default="moe_scaling", help="results file stem (default moe_scaling)")
-    p.add_argument("--results-dir", default=".", metavar="DIR",
-                   help="where the JSON and the plots go (default: the current directory)")
+    p.add_argument("--results-dir", default=None, metavar="DIR",
+                   help="where the JSON and the plots go (default: the current directory; bench/results with --readme)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--readme", action="store_true",
                    help="in a source checkout: regenerate the README's results tables (bench/report.py)")
@@ -451,7 +455,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--experts", type=POSITIVE_INT, default=64, help="E, experts (default 64)")
     demo.add_argument("--top-k", type=POSITIVE_INT, default=8, help="K, experts per token (default 8)")
     demo.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    demo.add_argument("--repeats", type=POSITIVE_INT, default=None, help="timed builds per method (median; 3 on CPU, 20 on GPU)")
+    demo.add_argument("--repeats", type=POSITIVE_INT, default=None,
+                      help="timed builds per method (median; 3 on CPU, 20 on GPU)")
     demo.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     return parser
 
@@ -471,6 +476,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"\nblazecore {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (blazecore info | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # a failure inside a run: one line here, the traceback in a log file
         return _failure(args.command, exc)
 

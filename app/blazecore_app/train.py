@@ -43,10 +43,10 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from blazecore_torch import MoELayer
 from torch import nn
 
 import blazecore
-from blazecore_torch import MoELayer
 
 from . import baselines as _baseline
 from .corpus import SyntheticLanguage
