@@ -29,7 +29,6 @@ except ImportError:  # not installed (pip install -e .): use the source tree
 from blazecore_app import baselines  # noqa: E402
 from blazecore_torch import MoELayer, ops  # noqa: E402
 
-
 OPS = torch.ops.blazecore
 # relative norm error against a float64 computation, per dtype (docs/conventions.md)
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
