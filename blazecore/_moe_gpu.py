@@ -27,8 +27,8 @@ _FILE = "moe.cu"
 _FILE90 = "moe_sm90.cu"
 BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 threads, 1 CTA per SM
 NTHREADS90 = 384
-_ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4}
-_GATED = {"swiglu", "geglu"}
+_ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
+_GATED = {"swiglu", "geglu", "swiglu_oai"}
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 BM = BN = 128
 STAGES = 4

@@ -29,7 +29,7 @@ from . import _array, _validate
 from .dispatch import Dispatch, build_dispatch
 
 # name -> gated (the first GEMM yields [a | b], 2h rows) or not (h rows)
-_GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False}
+_GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False, "swiglu_oai": True}
 ACTIVATIONS = tuple(_GATED)
 CHECKPOINTS = ("ab", "none")
 # Token-block size of the weight-gradient reductions (see chunk_bounds): chunks start on these boundaries.
@@ -40,8 +40,9 @@ _FLOAT_TYPES = (np.float32, np.float16, _array.BF16)
 def activation_info(name: str) -> bool:
     """Whether activation ``name`` is gated (hcur = act(a) * b from 2h first-GEMM rows).
 
-    Names: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b (gated); "gelu" gelu_tanh(z), "silu" silu(z),
-    "relu2" max(z, 0)**2 (non-gated). Raises ValueError for any other name.
+    Names: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b, "swiglu_oai" gpt-oss's clamped SwiGLU
+    a' sigmoid(1.702 a') (b' + 1) with a' = min(a, 7), b' = clip(b, -7, 7) (gated); "gelu" gelu_tanh(z),
+    "silu" silu(z), "relu2" max(z, 0)**2 (non-gated). Raises ValueError for any other name.
     """
     try:
         return _GATED[name]
@@ -315,7 +316,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         w2: (E, d, h), x's dtype.
         gates: (L, K) float32, the routing weights of each token's K experts.
         expert_ids: (L, K) int32 or int64, row t holds K distinct experts in [0, E). 1 <= K <= E.
-        activation: one of ``ACTIVATIONS`` ("swiglu", "geglu", "gelu", "silu", "relu2").
+        activation: one of ``ACTIVATIONS`` ("swiglu", "geglu", "gelu", "silu", "relu2", "swiglu_oai").
         checkpoint: "ab" (save the (L*K, R) pre-activations) or "none" (recompute them).
         b13: optional (E, R) bias of the first GEMM, x's dtype (R = w13.shape[1]).
         b2: optional (E, d) bias of the second GEMM, x's dtype.

@@ -99,9 +99,11 @@ def _readonly(a):
 def _make(rng, case: Case, dtype: np.dtype, activation: str, bias: bool, routing: str | None = None) -> dict:
     L, d, h, E, K = case.L, case.d, case.h, case.E, case.K
     R = 2 * h if moe.activation_info(activation) else h
+    # swiglu_oai: pre-activations of std 4, so that some 8% of them lie beyond its clamps at +-7
+    scale = 4.0 if activation == "swiglu_oai" else 1.0
     inp = {
         "x": rng.standard_normal((L, d)).astype(dtype),
-        "w13": (rng.standard_normal((E, R, d)) / math.sqrt(d)).astype(dtype),
+        "w13": (scale * rng.standard_normal((E, R, d)) / math.sqrt(d)).astype(dtype),
         "w2": (rng.standard_normal((E, d, h)) / math.sqrt(h)).astype(dtype),
         "b13": (0.1 * rng.standard_normal((E, R))).astype(dtype) if bias else None,
         "b2": (0.1 * rng.standard_normal((E, d))).astype(dtype) if bias else None,
@@ -170,6 +172,9 @@ def _bytes(a) -> bytes:
 def _scalar_act(name: str, v: float) -> float:
     if name in ("swiglu", "silu"):
         return v / (1.0 + math.exp(-v))
+    if name == "swiglu_oai":
+        c = min(v, 7.0)
+        return c / (1.0 + math.exp(-1.702 * c))
     if name in ("geglu", "gelu"):
         return 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
     return max(v, 0.0) ** 2
@@ -187,8 +192,10 @@ def test_reference_closed_form(activation):
     b2 = np.array([[b2v]])
     gates = np.array([[gv]], dtype=np.float32)
     ids = np.zeros((1, 1), np.int32)
-    a = wa * xv + ba
-    hcur = _scalar_act(activation, a) * (wb * xv + bb) if gated else _scalar_act(activation, a)
+    a, b = wa * xv + ba, wb * xv + bb
+    if activation == "swiglu_oai":
+        b = min(max(b, -7.0), 7.0) + 1.0
+    hcur = _scalar_act(activation, a) * b if gated else _scalar_act(activation, a)
     o = w2v * hcur + b2v
     y = ref.moe_forward_ref(x, w13, w2, gates, ids, activation, b13, b2)
     np.testing.assert_allclose(y, [[float(np.float32(gv)) * o]], rtol=1e-14)
@@ -243,6 +250,53 @@ def test_reference_backward_vs_finite_differences(activation, bias):
         assert_close(g[key], fd[key], 1e-7, f"{key} vs finite differences")
 
 
+@pytest.mark.parametrize("bias", BIAS_PARAMS)
+def test_reference_swiglu_oai_clamps_vs_finite_differences(bias):
+    """swiglu_oai with pre-activations far beyond its clamps (gate above 7, up outside [-7, 7]): the gradients
+    are zero through a clamped value, and the finite differences agree (no value lies within eps of a bound)."""
+    case = Case("fd_clamp", 5, 4, 3, 3, 2, "random")
+    rng = np.random.default_rng(7 + bias)
+    inp = _make(rng, case, np.dtype(np.float64), "swiglu_oai", bias)
+    inp["w13"] = inp["w13"] * 4.0  # std ~ 16
+    inp["gates"] = inp["gates"].astype(np.float64)
+    z = ref.moe_preact_ref(inp["x"], inp["w13"], inp["ids"], inp["b13"])
+    h = case.h
+    assert (z[..., :h] > 7).any() and (np.abs(z[..., h:]) > 7).any() and (np.abs(z) < 7).any()
+    assert np.min(np.abs(np.abs(z) - 7.0)) > 1e-4
+    g = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], "swiglu_oai",
+                             inp["b13"], inp["b2"])
+    fd = _fd_grads(inp, "swiglu_oai")
+    for key in GRAD_KEYS:
+        if fd[key] is not None:
+            assert_close(g[key], fd[key], 1e-7, f"{key} vs finite differences")
+
+
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "swiglu_oai")])
+def test_reference_interleaved(activation):
+    """"<name>_interleaved" reads w13 / b13 rows as [g0, u0, g1, u1, ...]: the same layer as the [gate; up]
+    order, with z's columns and dw13 / db13's rows in the interleaved order."""
+    case = Case("il", 7, 6, 4, 3, 2, "random")
+    inp = _make(np.random.default_rng(3), case, np.dtype(np.float64), activation, True)
+    h = case.h
+    perm = np.empty(2 * h, np.int64)  # interleaved row r holds concatenated row perm[r]
+    perm[0::2], perm[1::2] = np.arange(h), np.arange(h, 2 * h)
+    w13_il, b13_il = inp["w13"][:, perm], inp["b13"][:, perm]
+    il = activation + "_interleaved"
+    args = (inp["w2"], inp["gates"], inp["ids"])
+    y = ref.moe_forward_ref(inp["x"], inp["w13"], *args, activation, inp["b13"], inp["b2"])
+    y_il = ref.moe_forward_ref(inp["x"], w13_il, *args, il, b13_il, inp["b2"])
+    np.testing.assert_allclose(y_il, y, rtol=1e-13, atol=1e-13)
+    z, z_il = (ref.moe_preact_ref(inp["x"], w, inp["ids"], b) for w, b in ((inp["w13"], inp["b13"]), (w13_il, b13_il)))
+    np.testing.assert_allclose(z_il, z[..., perm], rtol=1e-13, atol=1e-13)
+    g = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], *args, activation, inp["b13"], inp["b2"])
+    g_il = ref.moe_backward_ref(inp["dy"], inp["x"], w13_il, *args, il, b13_il, inp["b2"])
+    for key in GRAD_KEYS:
+        want = g[key][:, perm] if key in ("dw13", "db13") else g[key]
+        np.testing.assert_allclose(g_il[key], want, rtol=1e-12, atol=1e-12, err_msg=key)
+    with pytest.raises(ValueError, match="unknown activation"):
+        ref.moe_forward_ref(inp["x"], inp["w13"][:, :h], *args, "silu_interleaved")  # not gated
+
+
 def test_reference_unknown_activation():
     with pytest.raises(ValueError, match="unknown activation"):
         ref.moe_forward_ref(np.zeros((1, 2)), np.zeros((1, 2, 2)), np.zeros((1, 2, 2)), np.ones((1, 1)),
@@ -255,8 +309,8 @@ def test_reference_unknown_activation():
 
 
 def test_activation_info():
-    assert moe.ACTIVATIONS == ("swiglu", "geglu", "gelu", "silu", "relu2")
-    assert [moe.activation_info(a) for a in moe.ACTIVATIONS] == [True, True, False, False, False]
+    assert moe.ACTIVATIONS == ("swiglu", "geglu", "gelu", "silu", "relu2", "swiglu_oai")
+    assert [moe.activation_info(a) for a in moe.ACTIVATIONS] == [True, True, False, False, False, True]
     assert set(moe.ACTIVATIONS) == set(ref.ACTIVATIONS_REF)
     for name in ("tanh", "SwiGLU", None):
         with pytest.raises(ValueError, match="unknown activation"):

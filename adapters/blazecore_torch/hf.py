@@ -13,10 +13,15 @@ experts' forward: ``gate_up_proj`` (E, 2h, d) and ``down_proj`` (E, d, h) are bl
 they are, the routing weights become the float32 gates (float64 for a float64 model on the CPU), and the
 layer's activation is read from ``config.hidden_act``.
 
-Supported experts: concatenated [gate; up] rows (not interleaved), not transposed, the default gate
-(act(gate) * up), optional biases, no post-expert norm, no expert parallelism. Anything else raises
-NotImplementedError naming the feature rather than computing something different. The checkpoint policy
-is ``config.blazecore_checkpoint`` when set ("ab" by default).
+Supported experts: the default gate (act(gate) * up) with a ``hidden_act`` blazecore has, or a gate function
+the backend knows (:data:`KNOWN_GATES`: gpt-oss's clamped SwiGLU "swiglu_oai"); optional biases; no
+post-expert norm, no expert parallelism. Weight layouts: (E, out, in) with [gate; up] rows everywhere;
+transposed (E, in, out) weights (``is_transposed``) and interleaved gate/up columns (``is_concatenated=False``,
+gpt-oss) on the CPU, where they are handed to blazecore's float64 reference as reordered views of the
+parameters (that path computes in float64 copies anyway). The GPU kernels read only the (E, out, in)
+[gate; up] layout, so on CUDA those layouts raise NotImplementedError instead of copying the weights every
+step. Anything else raises NotImplementedError naming the feature rather than computing something
+different. The checkpoint policy is ``config.blazecore_checkpoint`` when set ("ab" by default).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from . import ops
 
-__all__ = ["BACKEND_NAME", "blazecore_experts_forward", "experts_activation", "register"]
+__all__ = ["BACKEND_NAME", "KNOWN_GATES", "blazecore_experts_forward", "experts_activation", "register", "unsupported"]
 
 BACKEND_NAME = "blazecore"
 
@@ -36,9 +41,21 @@ _GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu"
 _PLAIN_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu",
                "gelu_fast": "gelu", "relu2": "relu2"}
 
+# Gate functions (``_apply_gate`` overrides, by qualified name) that compute a blazecore activation:
+# name -> (blazecore activation or None for "the default gate's act from hidden_act", the experts' attributes
+# holding (alpha, limit) that must equal blazecore's constants, or None).
+KNOWN_GATES = {
+    # (up.clamp(-limit, limit) + 1) * gate' * sigmoid(alpha * gate'), gate' = gate.clamp(max=limit)
+    "GptOssExperts._apply_gate": ("swiglu_oai", ("alpha", "limit")),
+    "OpenAIPrivacyFilterExperts._apply_gate": ("swiglu_oai", ("alpha", "limit")),
+    "MiniMaxM3VLExperts._apply_gate": ("swiglu_oai", ("swiglu_alpha", "swiglu_limit")),
+    # act(gate.float()) * up.float(), cast back: the default gate computed in fp32, as blazecore's epilogue does
+    "BeamExperts._apply_gate": (None, None),
+}
+_OAI_CONSTANTS = (1.702, 7.0)  # blazecore.reference.moe.OAI_ALPHA, OAI_LIMIT
 
-def experts_activation(experts: torch.nn.Module) -> str:
-    """The blazecore activation name of an HF experts module (raises NotImplementedError if it has none)."""
+
+def _hidden_act(experts: torch.nn.Module) -> str:
     act = getattr(experts.config, "hidden_act", None)
     table = _GATED_ACTS if experts.has_gate else _PLAIN_ACTS
     if act not in table:
@@ -48,21 +65,76 @@ def experts_activation(experts: torch.nn.Module) -> str:
     return table[act]
 
 
-def _check_supported(experts: torch.nn.Module) -> None:
+def experts_activation(experts: torch.nn.Module) -> str:
+    """The blazecore activation name of an HF experts module (raises NotImplementedError if it has none)."""
+    apply_gate = getattr(type(experts), "_apply_gate", _default_apply_gate)
+    if not experts.has_gate or apply_gate is _default_apply_gate:
+        return _hidden_act(experts)
+    name = getattr(apply_gate, "__qualname__", repr(apply_gate))
+    if name not in KNOWN_GATES:
+        raise NotImplementedError(f"blazecore experts backend: the gate function {name} has no blazecore "
+                                  "activation")
+    activation, params = KNOWN_GATES[name]
+    if activation is None:
+        return _hidden_act(experts)
+    if params is not None:
+        got = tuple(float(getattr(experts, a)) for a in params)
+        if got != _OAI_CONSTANTS:
+            raise NotImplementedError(f"blazecore experts backend: {name} with ({params[0]}, {params[1]}) = {got}; "
+                                      f"blazecore's {activation} has {_OAI_CONSTANTS}")
+    return activation
+
+
+def _flag(experts, name: str, default=False):
     # flags a transformers release may not set (the post-expert norm and expert parallelism are newer than
     # 5.17): a missing one means the experts do not use that feature
-    flag = lambda name, default=False: getattr(experts, name, default)  # noqa: E731
-    unsupported = {
-        "transposed expert weights": flag("is_transposed"),
-        "interleaved gate/up rows": not flag("is_concatenated", True),
-        "a post-expert norm": flag("has_post_expert_norm"),
-        "expert parallelism": flag("_is_expert_parallel"),
-        "a custom gate function": experts.has_gate and type(experts)._apply_gate is not _default_apply_gate,
-    }
-    found = [what for what, present in unsupported.items() if present]
+    return getattr(experts, name, default)
+
+
+def unsupported(experts: torch.nn.Module, device: torch.device | None = None) -> list[str]:
+    """What the backend lacks to run ``experts`` on ``device`` (default: where its weights are); [] if nothing."""
+    device = device if device is not None else next(experts.parameters()).device
+    found = []
+    if _flag(experts, "has_post_expert_norm"):
+        found.append("a post-expert norm")
+    if _flag(experts, "_is_expert_parallel"):
+        found.append("expert parallelism")
+    if device.type != "cpu":
+        if _flag(experts, "is_transposed"):
+            found.append("transposed expert weights on the GPU (the kernels read (E, out, in) weights)")
+        if experts.has_gate and not _flag(experts, "is_concatenated", True):
+            found.append("interleaved gate/up rows on the GPU (the kernels read [gate; up] rows)")
+    try:
+        experts_activation(experts)
+    except NotImplementedError as e:
+        found.append(str(e).split(": ", 1)[-1])
+    return found
+
+
+def _check_supported(experts: torch.nn.Module, device: torch.device) -> None:
+    found = unsupported(experts, device)
     if found:
-        raise NotImplementedError(f"blazecore experts backend: {type(experts).__name__} uses {', '.join(found)}, "
+        raise NotImplementedError(f"blazecore experts backend: {type(experts).__name__} uses {'; '.join(found)}, "
                                   "which the backend does not implement")
+
+
+def _weights(experts: torch.nn.Module):
+    """(w13 (E, R, d), w2 (E, d, h), b13 (E, R) or None, b2 (E, d) or None) in blazecore's layout: the parameters
+    themselves, or (transposed / interleaved, CPU only) views and reorderings of them that autograd maps back."""
+    w13 = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    w2 = experts.down_proj
+    b13 = b2 = None
+    if experts.has_bias:
+        b13 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+        b2 = experts.down_proj_bias
+    if _flag(experts, "is_transposed"):
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    if experts.has_gate and not _flag(experts, "is_concatenated", True):
+        # [g0, u0, g1, u1, ...] rows -> [g0, g1, ...; u0, u1, ...]
+        w13 = torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
+        if b13 is not None:
+            b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    return w13, w2, b13, b2
 
 
 def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -71,7 +143,7 @@ def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 
     Args:
         self: the HF experts module (``gate_up_proj`` (E, 2h, d) or ``up_proj`` (E, h, d), ``down_proj``
-            (E, d, h), optional ``*_bias``).
+            (E, d, h), or their transposes, optional ``*_bias``).
         hidden_states: (N, d) tokens.
         top_k_index: (N, K) integer expert ids from the HF router.
         top_k_weights: (N, K) routing weights (any float dtype; used as float32 gates).
@@ -79,18 +151,14 @@ def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     Returns:
         (N, d) in hidden_states' dtype.
     """
-    _check_supported(self)
+    _check_supported(self, hidden_states.device)
     activation = experts_activation(self)
-    w13 = self.gate_up_proj if self.has_gate else self.up_proj
-    b13 = b2 = None
-    if self.has_bias:
-        b13 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
-        b2 = self.down_proj_bias
+    w13, w2, b13, b2 = _weights(self)
     gate_dtype = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     checkpoint = getattr(self.config, "blazecore_checkpoint", "ab")
     # the HF router's top-k ids are in range and distinct: no validation read (it would sync a CUDA stream)
     dispatch = ops.build_dispatch(top_k_index, w13.shape[0], validate=False)
-    return ops.moe_ffn(hidden_states, w13, self.down_proj, top_k_weights.to(gate_dtype), top_k_index,
+    return ops.moe_ffn(hidden_states, w13, w2, top_k_weights.to(gate_dtype), top_k_index,
                        activation=activation, checkpoint=checkpoint, b13=b13, b2=b2, dispatch=dispatch)
 
 

@@ -38,11 +38,14 @@ template <typename T> __device__ __forceinline__ void load2(const T* p, float& a
 }
 
 // ---- activations (fp32 in registers) ------------------------------------------------------------
-// Names match blazecore.moe.ACTIVATIONS. Gated ones (SWIGLU, GEGLU) apply act to the gate half a and
-// multiply by the up half b; the others apply act to the whole pre-activation.
-enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4 };
+// Names match blazecore.moe.ACTIVATIONS. Gated ones (SWIGLU, GEGLU, SWIGLU_OAI) apply act to the gate half a
+// and multiply by up_f(b) of the up half b (b itself but for SWIGLU_OAI); the others apply act to the whole
+// pre-activation. SWIGLU_OAI is gpt-oss's clamped SwiGLU: a' = min(a, 7), act = a' sigmoid(1.702 a'),
+// up_f = clamp(b, -7, 7) + 1; a clamp passes the gradient where the value lies inside it, bounds included.
+enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4, SWIGLU_OAI = 5 };
+constexpr float OAI_ALPHA = 1.702f, OAI_LIMIT = 7.f;
 
-__host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU; }
+__host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU || act == SWIGLU_OAI; }
 
 // Fast-path sigmoid: ex2.approx-based exp and an approximate reciprocal (a few ulp in fp32, far inside the
 // bf16 / fp16 outputs' rounding; x -> -inf gives 1 / inf = 0, x -> +inf gives 1).
@@ -62,6 +65,9 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
 template <int ACT> __device__ __forceinline__ float act_f(float x) {
   if constexpr (ACT == SWIGLU || ACT == SILU) {
     return x * sigmoidf_(x);
+  } else if constexpr (ACT == SWIGLU_OAI) {
+    const float c = fminf(x, OAI_LIMIT);
+    return c * sigmoidf_(OAI_ALPHA * c);
   } else if constexpr (ACT == GEGLU || ACT == GELU) {
     return gelu_tanh(x);
   } else {
@@ -73,12 +79,32 @@ template <int ACT> __device__ __forceinline__ float act_grad(float x) {
   if constexpr (ACT == SWIGLU || ACT == SILU) {
     float s = sigmoidf_(x);
     return s * (1.f + x * (1.f - s));
+  } else if constexpr (ACT == SWIGLU_OAI) {
+    const float s = sigmoidf_(OAI_ALPHA * x);
+    return x <= OAI_LIMIT ? s * (1.f + OAI_ALPHA * x * (1.f - s)) : 0.f;
   } else if constexpr (ACT == GEGLU || ACT == GELU) {
     return gelu_tanh_grad(x);
   } else {
     return 2.f * fmaxf(x, 0.f);
   }
 }
+// The up half's factor of a gated activation and its derivative (b and 1 but for SWIGLU_OAI).
+template <int ACT> __device__ __forceinline__ float up_f(float b) {
+  if constexpr (ACT == SWIGLU_OAI) {
+    return fminf(fmaxf(b, -OAI_LIMIT), OAI_LIMIT) + 1.f;
+  } else {
+    return b;
+  }
+}
+template <int ACT> __device__ __forceinline__ float up_grad(float b) {
+  if constexpr (ACT == SWIGLU_OAI) {
+    return (b >= -OAI_LIMIT && b <= OAI_LIMIT) ? 1.f : 0.f;
+  } else {
+    return 1.f;
+  }
+}
+// hcur of a gated activation from the gate value a and the up value b
+template <int ACT> __device__ __forceinline__ float gated_f(float a, float b) { return act_f<ACT>(a) * up_f<ACT>(b); }
 
 // ---- async copies and tensor-core fragments -------------------------------------------------------
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -203,7 +229,7 @@ __device__ __forceinline__ void epi_act_gated(const T* bias_e, int N, T* hout, l
     store2<T>(zout + (long long)s * ldz + n, a0, a1);
     store2<T>(zout + (long long)s * ldz + N + n, b0, b1);
   }
-  if (hout) store2<T>(hout + (long long)s * ldh + n, act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1);
+  if (hout) store2<T>(hout + (long long)s * ldh + n, gated_f<ACT>(a0, b0), gated_f<ACT>(a1, b1));
 }
 
 template <typename T, int ACT>
@@ -242,12 +268,18 @@ __device__ __forceinline__ DhcurPair dhcur_math(float a0, float a1, float b0, fl
   DhcurPair r;
   const float s0 = act_f<ACT>(a0), s1 = act_f<ACT>(a1);
   if constexpr (act_gated(ACT)) {
-    const float h0 = s0 * b0, h1 = s1 * b1;
+    const float u0 = up_f<ACT>(b0), u1 = up_f<ACT>(b1);  // b0, b1 but for SWIGLU_OAI
+    const float h0 = s0 * u0, h1 = s1 * u1;
     const float dh0 = gs * d0, dh1 = gs * d1;
-    r.da0 = dh0 * b0 * act_grad<ACT>(a0);
-    r.da1 = dh1 * b1 * act_grad<ACT>(a1);
-    r.db0 = dh0 * s0;
-    r.db1 = dh1 * s1;
+    r.da0 = dh0 * u0 * act_grad<ACT>(a0);
+    r.da1 = dh1 * u1 * act_grad<ACT>(a1);
+    if constexpr (ACT == SWIGLU_OAI) {
+      r.db0 = dh0 * s0 * up_grad<ACT>(b0);
+      r.db1 = dh1 * s1 * up_grad<ACT>(b1);
+    } else {
+      r.db0 = dh0 * s0;
+      r.db1 = dh1 * s1;
+    }
     r.hg0 = gs * h0;
     r.hg1 = gs * h1;
     r.p = d0 * h0 + d1 * h1;

@@ -662,7 +662,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
               sm90::add_bias2(be, n0 + c, N, a0, a1);
               sm90::add_bias2(be ? be + N : be, n0 + c, N, b0, b1);
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(a0) * b0, act_f<ACT>(a1) * b1));
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(a0, b0), gated_f<ACT>(a1, b1)));
               sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
               sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
             } else {
