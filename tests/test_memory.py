@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_close, to_backend, to_numpy
+from conftest import assert_close, make_routing, to_backend, to_numpy
 
 import blazecore
 from blazecore import BF16, memory, moe
@@ -23,22 +23,12 @@ DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16}
 TOL = {"f32": 1e-5, "bf16": 1e-2}
 
 
+# the cases' routing names -> blazecore.testing's kinds
+_KINDS = {"random": "uniform", "late": "late", "skewed": "skewed", "same": "same"}
+
+
 def _routing(rng, L, E, K, kind):
-    if kind == "random":
-        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
-    elif kind == "late":
-        # the first half of the tokens only use experts [0, K); the rest use all: experts >= K have no slot in
-        # the first chunks, so their weight gradients start in a later chunk
-        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
-        ids[: L // 2] = np.argsort(rng.random((L // 2, K)), axis=1)
-    elif kind == "skewed":
-        keys = -1.5 * np.log(np.arange(1, E + 1)) + rng.gumbel(size=(L, E))
-        ids = np.argsort(-keys, axis=1)[:, :K]
-    elif kind == "same":
-        ids = np.tile(rng.permutation(E)[:K], (L, 1))
-    else:
-        raise ValueError(kind)
-    return np.ascontiguousarray(ids, dtype=np.int32)
+    return make_routing(rng, L, E, K, _KINDS[kind])
 
 
 def _make(seed, L, d, h, E, K, dname, activation, bias, routing):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import assert_close, backends, to_backend, to_numpy
+from conftest import assert_close, backends, make_routing, to_backend, to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,23 +71,13 @@ BIAS_PARAMS = [pytest.param(False, id="nobias"), pytest.param(True, id="bias")]
 # ---------------------------------------------------------------------------------------------
 
 
+# the cases' routing names -> blazecore.testing's kinds
+_KINDS = {"random": "uniform", "skewed": "skewed", "few": "empty_experts", "same": "same"}
+
+
 def _routing(rng, L: int, E: int, K: int, kind: str) -> np.ndarray:
-    """(L, K) int32 ids, K distinct experts per row."""
-    if kind == "random":
-        ids = np.argsort(rng.random((L, E)), axis=1)[:, :K]
-    elif kind == "skewed":
-        # sampling without replacement with p(e) ~ (e + 1)^-1.5 (Gumbel top-k): expert 0 is crowded
-        keys = -1.5 * np.log(np.arange(1, E + 1)) + rng.gumbel(size=(L, E))
-        ids = np.argsort(-keys, axis=1)[:, :K]
-    elif kind == "few":
-        used = max(K, E // 4)  # experts used..E-1 get no token
-        ids = np.argsort(rng.random((L, used)), axis=1)[:, :K]
-    elif kind == "same":
-        base = rng.permutation(E)[:K]
-        ids = np.stack([rng.permutation(base) for _ in range(L)]) if L else np.zeros((0, K), np.int64)
-    else:
-        raise ValueError(kind)
-    return np.ascontiguousarray(ids, dtype=np.int32).reshape(L, K)
+    """(L, K) int32 ids, K distinct experts per row (blazecore.testing.make_routing)."""
+    return make_routing(rng, L, E, K, _KINDS[kind])
 
 
 def _readonly(a):

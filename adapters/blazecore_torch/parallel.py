@@ -1,0 +1,381 @@
+"""Expert parallelism over ``torch.distributed``: ``ExpertParallelMoELayer`` and FSDP2 composition.
+
+The E experts are split over the ranks of an expert-parallel (EP) process group: rank r holds experts
+[r * E_local, (r + 1) * E_local), E_local = E / ep_size. Every rank routes its own tokens and the routed
+rows travel to the rank that holds their expert and back:
+
+    1. route locally: gates, ids (L, K) = route_topk(x @ router^T); dispatch = build_dispatch(ids, E), the
+       sort-free build, whose slots are ordered by expert, hence by destination rank.
+    2. count exchange: the (E,) pair counts go through one ``all_to_all_single`` (E / ep_size per rank),
+       so each rank learns how many rows of every source rank its local experts get. The send and
+       receive split sizes are read to the host in ONE transfer: the layer's only host synchronisation
+       (``all_to_all_single`` takes its splits as Python lists; the receive buffer's size is a shape).
+    3. pack: ``x.index_select(0, slot_token)`` writes the (L*K, d) send buffer straight from x (gather
+       in expert order; no other (L*K, d) copy of x exists). The gates travel alongside, (L*K,) scalars.
+    4. token exchange: ``all_to_all_single`` of the rows and of the gates.
+    5. local experts: the N received rows are N tokens with K = 1 and their own gate, ids built on the
+       device from the received counts (no host read), dispatched with ``build_dispatch`` and run by
+       ``moe_ffn``: gather, activation and gate scaling fused as on one GPU.
+    6. return exchange: the (N, d) results go back with the splits swapped, arriving in slot order.
+    7. combine: y[t] = sum_k back[pair_slot[t, k]], K row gathers of (L, d) each, in k order:
+       deterministic, no atomics.
+
+The backward is the mirror image, through autograd: the all-to-alls are autograd Functions whose backward
+is the all-to-all with swapped splits; the pack's backward is the combine (dx[t] = sum_k dsend[pair_slot[t,
+k]]) and the combine's backward is the pack (a gather of dy by slot_token); ``moe_ffn``'s own backward
+gives the local experts' dw13, dw2, the received rows' dx and their dgates.
+
+With ep_size 1 no exchange is needed and the layer runs the plain layer's ops on x directly (the same
+bits as ``MoELayer``), unless ``always_exchange`` is set (the full path against a group of one, e.g. to
+measure its cost).
+
+FSDP2 (:func:`fully_shard_expert_parallel`): on a 2-D DeviceMesh (dp, ep) the expert weights are sharded
+over dp (every dp row holds all E experts, split over its ep ranks) and everything else over the whole
+mesh, as torchtitan does; the experts' gradient is divided by the whole mesh's size like the others, since
+each expert's gradient already sums the tokens of its whole ep row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import blazecore
+
+from . import ops
+
+__all__ = ["ExpertParallelMoELayer", "LocalExperts", "fully_shard_expert_parallel", "resolve_ep_group"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups and meshes
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_ep_group(group=None, *, ep_dim: str = "ep"):
+    """The expert-parallel process group from ``group``: None (the default, WORLD) group, a ProcessGroup, or a
+    DeviceMesh (1-D, or with a dimension named ``ep_dim``). Raises before any communication."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed initialised (dist.init_process_group, "
+                           "or torchrun and init_device_mesh)")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names
+        if names is not None and ep_dim in names:
+            return group.get_group(ep_dim)
+        if group.ndim == 1 and names is None:
+            return group.get_group()
+        raise ValueError(f"the DeviceMesh has dimensions {names} (shape {tuple(group.shape)}) and no dimension "
+                         f"named {ep_dim!r} for expert parallelism")
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be None, a ProcessGroup or a DeviceMesh, got {type(group).__name__}")
+    return group
+
+
+def _check_backend(group, device: torch.device) -> None:
+    """Tensors must live where the group's backend communicates (NCCL: the current CUDA device; gloo: CPU)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and device.type != "cuda":
+        raise ValueError(f"the expert-parallel group uses NCCL but the layer's tensors are on {device}; move the "
+                         "layer to this rank's GPU (or use a gloo group on the CPU)")
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        raise ValueError(f"the layer's tensors are on {device} but this rank's current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first")
+    if backend == "gloo" and device.type != "cpu":
+        raise ValueError(f"the expert-parallel group uses gloo, which exchanges CPU tensors; the layer's tensors "
+                         f"are on {device} (use an NCCL group on GPUs)")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain tensor: FSDP2 may hand the unsharded experts over as replicated DTensors (its
+    sub-mesh's placement); the routed rows are plain tensors of a data-dependent size that no DTensor placement
+    describes, so the local tensor (differentiable) is what the ops take."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd pieces: the exchange, the pack and the combine
+# ---------------------------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` to the ranks of ``group``: ``in_splits[r]`` rows to rank r, ``out_splits[r]`` from it.
+    The backward sends the gradient back the same way with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+def _sum_rows(rows: torch.Tensor, pair_slot: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum_k rows[pair_slot[t, k]], summed in k order (deterministic; each row read once)."""
+    L, K = pair_slot.shape
+    y = rows.index_select(0, pair_slot[:, 0])
+    for k in range(1, K):
+        y.add_(rows.index_select(0, pair_slot[:, k]))
+    return y
+
+
+class _Pack(torch.autograd.Function):
+    """The send buffer: x's rows in slot order (x[slot_token]). Backward: dx[t] = sum_k dsend[pair_slot[t, k]]."""
+
+    @staticmethod
+    def forward(ctx, x, slot_token, pair_slot):
+        ctx.save_for_backward(pair_slot)
+        return x.index_select(0, slot_token)
+
+    @staticmethod
+    def backward(ctx, dsend):
+        (pair_slot,) = ctx.saved_tensors
+        return _sum_rows(dsend.contiguous(), pair_slot), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """y[t] = sum_k back[pair_slot[t, k]] for the gate-scaled rows ``back`` in slot order. Backward: the pack,
+    dback = dy[slot_token]."""
+
+    @staticmethod
+    def forward(ctx, back, pair_slot, slot_token):
+        ctx.save_for_backward(slot_token)
+        return _sum_rows(back, pair_slot)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (slot_token,) = ctx.saved_tensors
+        return dy.contiguous().index_select(0, slot_token), None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+
+class LocalExperts(nn.Module):
+    """This rank's experts: ``gate_up_proj`` (E_local, R, d) and ``down_proj`` (E_local, d, h), blazecore's w13
+    and w2 (a submodule of its own so that FSDP2 can shard it over another mesh than the rest)."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, rows: int, *, device=None,
+                 dtype=None):
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, rows, hidden_size, **fk))
+        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **fk))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default bound, like MoELayer
+        d, h = self.gate_up_proj.shape[2], self.down_proj.shape[2]
+        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
+        nn.init.uniform_(self.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
+
+    def forward(self, x: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor, dispatch: ops.TorchDispatch, *,
+                activation: str, checkpoint: str, chunks: int = 1) -> torch.Tensor:
+        """``ops.moe_ffn`` of x (n, d) with gates (n, K) and local expert ids (n, K) int32 in [0, E_local).
+
+        A module call, not a parameter read, so that FSDP2's hooks gather the sharded weights around it."""
+        return ops.moe_ffn(x, _local(self.gate_up_proj), _local(self.down_proj), gates, expert_ids,
+                           activation=activation, checkpoint=checkpoint, dispatch=dispatch, chunks=chunks)
+
+
+class ExpertParallelMoELayer(nn.Module):
+    """``MoELayer`` with its experts split over an expert-parallel process group.
+
+    Args:
+        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, checkpoint,
+            chunks: as for :class:`blazecore_torch.MoELayer` (``chunks`` an int here: the local experts'
+            token chunks).
+        group: the expert-parallel group: None (WORLD), a ProcessGroup, or a DeviceMesh (1-D, or one with
+            a dimension named ``ep_dim``). torch.distributed must be initialised; the backend must fit the
+            device (NCCL: CUDA tensors on the current device, gloo: CPU tensors).
+        ep_dim: the mesh dimension of the experts when ``group`` is a multi-dimensional DeviceMesh.
+        device, dtype: of the parameters.
+
+    Parameters: ``router`` (nn.Linear d -> E, no bias; replicated: identical on every rank) and ``experts``
+    (:class:`LocalExperts`, this rank's E / ep_size experts). Ranks must start from the same router weights:
+    seed every rank alike, or load a full layer with :meth:`load_full_state_dict` / :meth:`from_layer`.
+
+    ``forward(x)`` takes this rank's tokens x (..., d) (any count, 0 included; ranks may differ) and returns
+    ``(y, aux)`` like ``MoELayer``: aux's ``load_balancing_loss``, ``z_loss``, ``router_logits`` and
+    ``tokens_per_expert`` (E,) are of this rank's tokens. The forward synchronises the host once, for the
+    count exchange (see the module's docstring).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
+                 ep_dim: str = "ep", activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
+                 checkpoint: str = "ab", chunks: int = 1, device=None, dtype=None):
+        super().__init__()
+        gated = blazecore.activation_info(activation)
+        if checkpoint not in blazecore.CHECKPOINTS:
+            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {blazecore.CHECKPOINTS})")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+        self.group = resolve_ep_group(group, ep_dim=ep_dim)
+        self.ep_size = dist.get_world_size(self.group)
+        self.ep_rank = dist.get_rank(self.group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by the expert-parallel size "
+                             f"{self.ep_size}: every rank must hold the same number of experts")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // self.ep_size
+        self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
+        self.chunks = chunks
+        self.always_exchange = False
+        fk = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
+        R = 2 * intermediate_size if gated else intermediate_size
+        self.experts = LocalExperts(self.num_local_experts, hidden_size, intermediate_size, R, **fk)
+
+    @property
+    def local_expert_range(self) -> range:
+        """The global ids of this rank's experts."""
+        return range(self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
+
+    def extra_repr(self) -> str:
+        return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts} "
+                f"({self.num_local_experts} local of ep_size {self.ep_size}), top_k={self.top_k}, "
+                f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}")
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Copy a full layer's weights (``MoELayer``'s names: ``router.weight`` (E, d), ``gate_up_proj`` (E, R, d),
+        ``down_proj`` (E, d, h)) into this rank's router and expert slice."""
+        rng = self.local_expert_range
+        sl = slice(rng.start, rng.stop)
+        self.router.weight.copy_(state["router.weight"])
+        self.experts.gate_up_proj.copy_(state["gate_up_proj"][sl])
+        self.experts.down_proj.copy_(state["down_proj"][sl])
+
+    @classmethod
+    def from_layer(cls, layer: nn.Module, *, group=None, ep_dim: str = "ep") -> ExpertParallelMoELayer:
+        """An EP layer with a full ``MoELayer``'s configuration and weights (this rank's experts sliced out)."""
+        w = layer.gate_up_proj
+        ep = cls(layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, group=group,
+                 ep_dim=ep_dim, activation=layer.activation, score=layer.score, renormalize=layer.renormalize,
+                 checkpoint=layer.checkpoint, chunks=layer.chunks if isinstance(layer.chunks, int) else 1,
+                 device=w.device, dtype=w.dtype)
+        ep.load_full_state_dict(layer.state_dict())
+        return ep
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        w13 = self.experts.gate_up_proj
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
+        if x.dtype != w13.dtype:
+            raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({w13.dtype})")
+        if x.device != w13.device or self.router.weight.device != w13.device:
+            raise ValueError(f"x is on {x.device}, the router on {self.router.weight.device} and the experts on "
+                             f"{w13.device}: all must be on one device")
+        _check_backend(self.group, x.device)
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size).contiguous()
+        logits = self.router(tokens)
+        gates, ids = ops.route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize)
+        # ids from route_topk are in range and distinct: no validation read
+        dispatch = ops.build_dispatch(ids, self.num_experts, validate=False)
+        if self.ep_size == 1 and not self.always_exchange:
+            y = self.experts(tokens, gates, ids, dispatch, activation=self.activation, checkpoint=self.checkpoint,
+                             chunks=self.chunks)
+        else:
+            y = self._exchange_and_run(tokens, gates, dispatch)
+        aux = {
+            "load_balancing_loss": ops.load_balancing_loss(logits, ids),
+            "z_loss": ops.router_z_loss(logits),
+            "router_logits": logits,
+            "tokens_per_expert": dispatch.counts(),
+        }
+        return y.reshape(shape), aux
+
+    def _exchange_and_run(self, tokens, gates, dispatch) -> torch.Tensor:
+        ep, El, K = self.ep_size, self.num_local_experts, self.top_k
+        counts = dispatch.counts()  # (E,) int32, pairs per global expert in slot order
+        # 1. count exchange: recv_counts[s, j] = rows rank s sends to local expert j
+        recv_counts = counts.new_empty((self.num_experts,))
+        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.group)
+        # the one host synchronisation: both split lists in a single device-to-host transfer
+        host = torch.cat([counts.view(ep, El).sum(1, dtype=torch.int64),
+                          recv_counts.view(ep, El).sum(1, dtype=torch.int64)]).tolist()
+        send_splits, recv_splits = host[:ep], host[ep:]
+        n_recv = sum(recv_splits)
+        # 2. pack: the send buffer gathered straight from x; gates in slot order alongside
+        slot_token, slot_k, pair_slot = dispatch.slot_token, dispatch.slot_k, dispatch.pair_slot
+        send = _Pack.apply(tokens, slot_token, pair_slot)
+        pair = slot_token.to(torch.int64) * K + slot_k
+        send_gates = gates.reshape(-1).index_select(0, pair)
+        # 3. token exchange
+        recv = _AllToAll.apply(send, recv_splits, send_splits, self.group)
+        recv_gates = _AllToAll.apply(send_gates, recv_splits, send_splits, self.group)
+        # 4. local experts: each received row a token with K = 1, ids from the received counts on the device
+        local = torch.arange(El, device=tokens.device, dtype=torch.int32).repeat(ep)
+        recv_ids = torch.repeat_interleave(local, recv_counts.to(torch.int64), output_size=n_recv).view(n_recv, 1)
+        local_dispatch = ops.build_dispatch(recv_ids, El, validate=False)
+        out = self.experts(recv, recv_gates.view(n_recv, 1), recv_ids, local_dispatch, activation=self.activation,
+                           checkpoint=self.checkpoint, chunks=self.chunks)
+        # 5. results back, in slot order; 6. combine over k
+        back = _AllToAll.apply(out, send_splits, recv_splits, self.group)
+        return _Combine.apply(back, pair_slot, slot_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+# ---------------------------------------------------------------------------------------------
+
+
+def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", ep_dim: str = "ep", **fsdp_kwargs):
+    """FSDP2 on a 2-D DeviceMesh (``dp_dim`` x ``ep_dim``), as torchtitan shards its MoE models.
+
+    Every :class:`ExpertParallelMoELayer` in ``model`` must have been built with ``group`` = the mesh's
+    ``ep_dim`` group. Its ``experts`` are ``fully_shard``-ed over the ``dp_dim`` sub-mesh (each ep rank's
+    slice sharded over its dp column) with the gradient divided by the whole mesh's size; then ``model``
+    itself over the flattened (dp x ep) mesh, which takes every other parameter (routers included).
+    Gradients then equal those of the same model on one process run on all ranks' tokens, with the loss
+    averaged over ranks. ``fsdp_kwargs`` go to both ``fully_shard`` calls (e.g. ``mp_policy``).
+
+    Returns the flattened mesh.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = mesh.mesh_dim_names or ()
+    for dim in (dp_dim, ep_dim):
+        if dim not in names:
+            raise ValueError(f"the DeviceMesh has dimensions {names or None} and no dimension named {dim!r}")
+    if mesh.ndim != 2:
+        raise ValueError(f"expected a 2-D ({dp_dim}, {ep_dim}) mesh, got {mesh.ndim}-D {names}")
+    ep_group, world = mesh.get_group(ep_dim), mesh.size()
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoELayer)]
+    for layer in layers:
+        if dist.get_world_size(layer.group) != dist.get_world_size(ep_group) or \
+                dist.get_process_group_ranks(layer.group) != dist.get_process_group_ranks(ep_group):
+            raise ValueError("an ExpertParallelMoELayer's group is not the mesh's "
+                             f"{ep_dim!r} group: build it with group=mesh (ep_dim={ep_dim!r})")
+    flat = mesh[dp_dim, ep_dim]._flatten(f"{dp_dim}_{ep_dim}")
+    for layer in layers:
+        fully_shard(layer.experts, mesh=mesh[dp_dim], **fsdp_kwargs)
+        # each expert's gradient sums its whole ep row's tokens: average over every rank, not over dp only
+        layer.experts.set_gradient_divide_factor(float(world))
+    fully_shard(model, mesh=flat, **fsdp_kwargs)
+    return flat

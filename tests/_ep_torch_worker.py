@@ -1,0 +1,200 @@
+"""One rank of the multi-process expert-parallel tests (tests/test_ep_torch.py starts WORLD_SIZE of them).
+
+Usage: RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/_ep_torch_worker.py SUITE
+
+Suites: "layer" (ExpertParallelMoELayer against the single-process MoELayer: output and every gradient),
+"fsdp" (FSDP2 on a (dp, ep) mesh against the single-process model after optimizer steps), "errors" (bad
+input raises before any communication). Every rank computes the single-process reference itself on all
+ranks' tokens (the same seed everywhere) and compares its own part. Prints "OK <case>" per case; a failure
+raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import blazecore_torch
+import torch
+import torch.distributed as dist
+from blazecore_torch.parallel import ExpertParallelMoELayer, fully_shard_expert_parallel
+from torch import nn
+
+RTOL = 1e-10  # float64 reference path on both sides; only the summation order differs
+
+
+def _close(name, got, want, rtol=RTOL):
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if want.numel() == 0:
+        return
+    err = (got - want).norm() / max(want.norm().item(), 1e-300)
+    if not err <= rtol:
+        i = int((got - want).abs().argmax())
+        raise AssertionError(f"{name}: relative norm error {err:.3e} > {rtol:.1e}; max abs error "
+                             f"{(got - want).abs().max():.3e} at flat index {i}")
+
+
+def _routed_inputs(case, world, d, E):
+    """All ranks' tokens (a list, one (L_r, d) tensor per rank) for a routing case. The router of the tests
+    reads the first E columns as logits (router.weight = [I_E, 0]), so these columns pick the routing."""
+    g = torch.Generator().manual_seed(1234 + world)
+    counts = {"uneven": [5, 0, 9, 3], "empty_from_rank": [6, 7, 4, 5], "k_eq_e": [4, 3, 0, 6],
+              "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1]}[case][:world]
+    xs = []
+    for r, n in enumerate(counts):
+        x = torch.randn(n, d, generator=g, dtype=torch.float64)
+        if case == "uneven":
+            x[:, :E] += torch.linspace(2.0, -2.0, E, dtype=torch.float64)  # skewed towards low experts
+        elif case == "empty_from_rank":
+            x[:, r % E] -= 40.0  # rank r never picks expert r
+            x[:, E - 1] -= 40.0  # and nobody picks the last expert: a rank's local expert gets no token at all
+        elif case == "all_to_one":
+            x[:, 0] += 40.0  # every token's first choice is expert 0 (rank 0): other ranks receive only k >= 1
+        xs.append(x)
+    return xs
+
+
+def _full_layer(d, h, E, K, activation="swiglu", checkpoint="ab"):
+    torch.manual_seed(7)
+    full = blazecore_torch.MoELayer(d, h, E, K, activation=activation, checkpoint=checkpoint, dtype=torch.float64)
+    with torch.no_grad():
+        w = torch.zeros(E, d, dtype=torch.float64)
+        w[:, :E] = torch.eye(E, dtype=torch.float64)
+        full.router.weight.copy_(w)
+    return full
+
+
+def suite_layer(rank, world):
+    d, h = 12, 6
+    cases = [("uneven", 8, 2, "swiglu", "ab"), ("empty_from_rank", 8, 3, "swiglu", "ab"),
+             ("k_eq_e", 4, 4, "swiglu", "ab"), ("all_to_one", 4, 2, "gelu", "ab"),
+             ("none_ckpt", 8, 2, "swiglu", "none")]
+    for case, E, K, act, ck in cases:
+        if E % world:
+            continue
+        full = _full_layer(d, h, E, K, act, ck)
+        xs = _routed_inputs(case, world, d, E)
+        gdy = torch.Generator().manual_seed(99)
+        dys = [torch.randn(x.shape, generator=gdy, dtype=torch.float64) for x in xs]
+        # the single-process layer on every rank's tokens at once
+        x_all = torch.cat(xs).requires_grad_(True)
+        y_all, aux_all = full(x_all)
+        (y_all * torch.cat(dys)).sum().backward()
+        # this rank's part through the EP layer
+        ep = ExpertParallelMoELayer.from_layer(full)
+        x = xs[rank].clone().requires_grad_(True)
+        y, aux = ep(x)
+        (y * dys[rank]).sum().backward()
+        lo = sum(t.shape[0] for t in xs[:rank])
+        rows = slice(lo, lo + xs[rank].shape[0])
+        sl = slice(ep.local_expert_range.start, ep.local_expert_range.stop)
+        _close(f"{case}: y", y, y_all[rows])
+        _close(f"{case}: dx", x.grad, x_all.grad[rows])
+        _close(f"{case}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl])
+        _close(f"{case}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl])
+        drouter = ep.router.weight.grad.clone()
+        dist.all_reduce(drouter)  # the router is replicated: its gradient sums over the ranks' tokens
+        _close(f"{case}: d router", drouter, full.router.weight.grad)
+        counts = aux["tokens_per_expert"].to(torch.int64)
+        dist.all_reduce(counts)
+        assert counts.tolist() == aux_all["tokens_per_expert"].tolist(), (counts, aux_all["tokens_per_expert"])
+        # every routing property the case promises held
+        if case == "empty_from_rank":
+            assert int(aux["tokens_per_expert"][rank % E]) == 0
+        if case == "k_eq_e":
+            assert int(aux["tokens_per_expert"].sum()) == xs[rank].shape[0] * E
+        print(f"OK {case}", flush=True)
+
+
+class _Model(nn.Module):
+    """in-projection -> MoE -> residual -> out-projection: parameters inside and outside the experts."""
+
+    def __init__(self, d, moe):
+        super().__init__()
+        self.inp = nn.Linear(d, d, dtype=torch.float64)
+        self.moe = moe
+        self.out = nn.Linear(d, d, dtype=torch.float64)
+
+    def forward(self, x):
+        hid = self.inp(x)
+        y, _ = self.moe(hid)
+        return self.out(hid + y)
+
+
+def suite_fsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    # dp = 2 always: with a data-parallel dimension of size 1, torch 2.13's FSDP2 divides a float64 (or float16)
+    # gradient twice by a custom divide factor (its pre-divide and its size-1 copy both apply it)
+    dp, epn = 2, world // 2
+    mesh = init_device_mesh("cpu", (dp, epn), mesh_dim_names=("dp", "ep"))
+    d, h, E, K, L, steps = 8, 6, 4, 2, 6, 3
+    torch.manual_seed(3)
+    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64))
+    torch.manual_seed(3)
+    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64))
+    with torch.no_grad():
+        model.inp.load_state_dict(ref.inp.state_dict())
+        model.out.load_state_dict(ref.out.state_dict())
+        model.moe.load_full_state_dict(ref.moe.state_dict())
+    model.moe.always_exchange = True  # the all-to-all path even where ep = 1
+    fully_shard_expert_parallel(model, mesh)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
+    g = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        xs = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        # single process: the mean loss over every rank's tokens
+        opt_ref.zero_grad()
+        ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        opt_ref.step()
+        opt.zero_grad()
+        ((model(xs[rank]) - ts[rank]) ** 2).mean().backward()
+        opt.step()
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+        want = dict(ref.named_parameters())
+        for n, p in full.items():
+            key = n.replace("moe.experts.", "moe.")
+            w = want[key][sl] if "experts" in n else want[key]
+            _close(f"fsdp step {step}: {n}", p, w, rtol=1e-9)
+    print(f"OK fsdp dp={dp} ep={epn} steps={steps}", flush=True)
+
+
+def suite_errors(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def expect(exc, fn, text):
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e), f"message {str(e)!r} lacks {text!r}"
+        else:
+            raise AssertionError(f"no {exc.__name__} ({text})")
+
+    expect(ValueError, lambda: ExpertParallelMoELayer(8, 4, world + 1, 1, dtype=torch.float64), "not divisible")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    expect(ValueError, lambda: ExpertParallelMoELayer(8, 4, 2 * world, 1, group=mesh, ep_dim="ep"), "no dimension")
+    layer = ExpertParallelMoELayer(8, 4, 2 * world, 1, dtype=torch.float64)
+    expect(ValueError, lambda: layer(torch.zeros(3, 8, dtype=torch.float64, device="meta")), "one device")
+    expect(TypeError, lambda: layer(torch.zeros(3, 8)), "dtype")
+    print("OK errors", flush=True)
+
+
+def main():
+    suite = sys.argv[1]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors}[suite](rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
