@@ -99,6 +99,60 @@ def _measure(impl, p, flops, args, baselines):
         bm._cleanup()
 
 
+def layer_rows(args, shape_name):
+    """``blazecore_torch.MoELayer(chunks="auto")`` as users call it: bf16 forward + backward of x (L, d) with
+    requires_grad through the router, top-k and experts, for each token count and policy in --layer-tokens and
+    --layer-policies ("auto" lets the planner choose the checkpoint policy). The measured peak is beyond the
+    parameters and x (dy, allocated before the call, counts: the prediction includes it); the predicted one is
+    ``blazecore.layer.layer_memory`` for the chunks and policy the layer's planner picks (the same plan the
+    layer makes, from the same free memory)."""
+    import torch
+    from blazecore_torch import MoELayer
+
+    from blazecore import _compile
+    from blazecore.layer import layer_memory, resolve_plan
+
+    d, h, E, K = SHAPES[shape_name]
+    out = []
+    for policy in [p for p in args.layer_policies.split(",") if p]:
+        for L in [common.parse_count(t) for t in args.layer_tokens.split(",") if t]:
+            row = {"shape": shape_name, "d": d, "h": h, "E": E, "K": K, "tokens": L, "impl": f"MoELayer[{policy}]",
+                   "layer_checkpoint": policy}
+            torch.manual_seed(args.seed)
+            layer = x = dy = y = None
+            try:
+                layer = MoELayer(d, h, E, K, checkpoint=policy, chunks="auto", device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                bm._cleanup()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+                chunks, ckpt = resolve_plan("auto", policy, L, d, h, E, K, dtype="bfloat16", activation="swiglu",
+                                            free_bytes=layer._free_bytes(x))
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                y, _ = layer(x)
+                y.backward(dy)
+                end.record()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                pred = layer_memory(L, d, h, E, K, dtype="bfloat16", activation="swiglu", checkpoint=ckpt,
+                                    chunks=chunks, sm90=_compile.device_arch() == "sm_90a")
+                ms = start.elapsed_time(end)
+                row.update(status="ok", chunks=chunks, checkpoint=ckpt, peak_bytes=peak, predicted_peak_bytes=pred,
+                           peak_ratio=pred / peak, fwd_bwd_ms=ms,
+                           fwd_bwd_tflops=common.tflops(18 * L * K * d * h, ms))
+            except Exception as exc:  # rows record what went wrong
+                status, message = bm._classify(exc, bm._import_baselines())
+                row.update(status=status, message=message)
+            del layer, x, dy, y
+            bm._cleanup()
+            out.append(row)
+            common.print_table([row], TABLE)
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
@@ -112,6 +166,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--results-dir", type=pathlib.Path, default=None)
     ap.add_argument("--name", default="scale")
+    ap.add_argument("--layer-tokens", default="", help="token counts for MoELayer(chunks=\"auto\") rows, e.g. 2m,4m")
+    ap.add_argument("--layer-policies", default="ab,auto", help="MoELayer checkpoint policies of those rows")
+    ap.add_argument("--skip-core", action="store_true", help="only the MoELayer rows")
     return ap.parse_args(argv)
 
 
@@ -147,10 +204,11 @@ def main(argv=None) -> int:
             impls.append(bm.TorchImpl("conventional", baselines.conventional_moe))
         elif name == "grouped_mm":
             impls.append(bm.TorchImpl("grouped_mm", baselines.grouped_mm_moe, baselines.grouped_mm_unsupported))
-    rows, compare = [], []
+    rows, compare, layer = [], [], []
 
     def save():
-        return common.write_json(args.name, header, rows, args.results_dir, compare=compare, summary=summary())
+        return common.write_json(args.name, header, rows, args.results_dir, compare=compare, layer_rows=layer,
+                                 summary=summary())
 
     def largest(key):
         ok_rows = [r["tokens"] for r in rows if r["impl"] == key and r["status"] == "ok"]
@@ -167,8 +225,23 @@ def main(argv=None) -> int:
             "worst_peak_prediction_error": max((abs(x - 1) for x in ratios), default=None),
             "ran_2M": any(r["tokens"] >= 2 * 1024 * 1024 for r in blz),
             "worst_chunked_throughput_vs_unchunked": min((c["throughput_vs_unchunked"] for c in thr), default=None),
+            "layer_largest_tokens": {pol: max((r["tokens"] for r in layer if r["layer_checkpoint"] == pol
+                                               and r["status"] == "ok"), default=None)
+                                     for pol in {r["layer_checkpoint"] for r in layer}},
+            "layer_worst_peak_prediction_error": max((abs(r["peak_ratio"] - 1) for r in layer
+                                                      if r.get("peak_ratio")), default=None),
         }
 
+    if args.layer_tokens:
+        layer += layer_rows(args, args.shape)
+        save()
+    if args.skip_core:
+        s = summary()
+        print(f"\n## summary\n  layer_largest_tokens: {s['layer_largest_tokens']}\n"
+              f"  layer_worst_peak_prediction_error: {s['layer_worst_peak_prediction_error']}")
+        print(f"wrote {save()}")
+        bad = s["layer_worst_peak_prediction_error"]
+        return 0 if bad is not None and bad <= 0.10 and all(r["status"] == "ok" for r in layer) else 1
     active = {i.key for i in impls}
     L = args.start
     while active and L <= args.max:

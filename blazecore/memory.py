@@ -2,17 +2,23 @@
 
 :func:`moe_memory` predicts the bytes one GPU forward + backward of :func:`blazecore.moe.moe_forward` /
 :func:`blazecore.moe.moe_backward` allocates beyond its inputs (x, the weights, gates, ids, dy): its peak, and
-what the forward leaves held for the backward. It replays the allocations and frees of ``_moe_gpu`` in order
-(output y, the dispatch, the saved pre-activations, each chunk's transients, the gradients, the fp32 partial
-sums that carry the weight gradients from chunk to chunk) with the caching allocators' 512-byte rounding, so
-it tracks the code rather than a closed formula; bench/bench_scale.py checks it against measured peaks.
+what the forward leaves held for the backward. It is not a formula: it runs the layer's own GPU path
+(:func:`blazecore._moe_gpu.layer_forward` and :func:`~blazecore._moe_gpu.layer_backward`: output y, the dispatch,
+the saved pre-activations, each chunk's transients, the gradients, the fp32 partial sums carried between chunks)
+dry, under a recording allocator (:func:`blazecore._array.dry_run`): every allocation becomes a placeholder with a
+shape and a dtype and no memory, no kernel is launched and no device is asked anything, and a buffer is released
+where the real call releases it (when its last view goes). Sizes are rounded up to 512 bytes as torch's caching
+allocator and CuPy's pool round them. A change to the launchers changes the model with it; the GPU tests compare
+the predictions with the pools' measured peaks byte for byte.
 
-For L*K slots (Lc*K in the largest chunk), R = 2h (gated) or h, b = bytes per element, the terms are:
+For L*K slots (Lc*K in the largest chunk), R = 2h (gated) or h, b = bytes per element, what the run allocates
+comes to about:
 
     forward peak  = y (L d b) + dispatch (~12 L K) + z_ab (L K R b) + chunk [hcur (Lc K h b) + o (Lc K w b)]
                     (w: the widest column slice of o, at most 1024)
     backward peak = y + dispatch + z_ab + grads (L d b + E R d b + E d h b + 4 L K) + carry (c > 1: 4 E (R d + d h))
-                    + chunk [z_none (Lc K R b) + max(hg (Lc K h b) + part, dx rows (Lc K d b))]
+                    + chunk [z_none (Lc K R b) + blk + max(part (4 Lc K h / 256), dx rows (Lc K d b))]
+                    (no (Lc K, h) hcur or g * hcur: dw2 recomputes g * hcur from z as it loads it)
 
 :func:`plan_chunks` picks the smallest chunk count (and, when asked, the checkpoint policy) whose predicted peak
 fits a budget: bytes, or a fraction of the device's free memory.
@@ -21,17 +27,15 @@ fits a budget: bytes, or a fraction of the device's free memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from . import _array
-from .moe import BLOCK_TOKENS, CHECKPOINTS, activation_info, chunk_bounds
+from . import _array, _moe_gpu
+from ._moe_common import BLOCK_TOKENS, CHECKPOINTS, Sizes, activation_info, chunk_bounds
 
 _ROUND = 512  # torch's caching allocator and CuPy's pool both round block sizes up to 512 bytes
-
-
-def _r(n: int) -> int:
-    return -(-int(n) // _ROUND) * _ROUND
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), _array.BF16)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -57,32 +61,85 @@ class MemoryEstimate:
     checkpoint: str
 
 
-class _Tracker:
-    def __init__(self):
-        self.cur = 0
-        self.peak = 0
+@dataclass(frozen=True)
+class MemoryTrace:
+    """The dry run behind a :class:`MemoryEstimate`: ``events`` lists ("alloc" | "free", bytes, shape, dtype) in
+    order, bytes rounded up to ``round_bytes``; the first ``forward_events`` of them belong to the forward. Inputs
+    (x, weights, gates, ids, dy) are not in it; what is alive at the end (y, the gradients) is never freed."""
 
-    def alloc(self, n: int) -> int:
-        n = _r(n) if n else 0
-        self.cur += n
-        self.peak = max(self.peak, self.cur)
-        return n
-
-    def free(self, *ns: int) -> None:
-        self.cur -= sum(ns)
+    estimate: MemoryEstimate
+    events: tuple
+    forward_events: int
+    round_bytes: int
 
 
-def _dispatch_bytes(t: _Tracker, L: int, K: int, E: int) -> int:
-    """Allocate one build_dispatch's outputs (kept) and its workspace (freed); returns the kept bytes."""
-    from .dispatch import MODE_SINGLE_TILE, plan
+def _dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(_array.BF16 if str(dtype) == "bfloat16" else dtype)
+    except TypeError:
+        dt = None
+    if dt not in _DTYPES:
+        raise TypeError(f"dtype {dtype!r} not supported (expected bfloat16, float16 or float32)")
+    return dt
 
-    n = L * K
-    kept = t.alloc(4 * (E + 1)) + t.alloc(4 * n) + t.alloc(4 * n) + t.alloc(4 * n)
-    if n:
-        p = plan(n, E)
-        if p.mode != MODE_SINGLE_TILE:
-            t.free(t.alloc(4 * (p.num_tiles * E + E)))
-    return kept
+
+def _check(L, d, h, E, K, checkpoint, activation) -> tuple:
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {', '.join(CHECKPOINTS)})")
+    gated = activation_info(activation)
+    L, d, h, E, K = (int(v) for v in (L, d, h, E, K))
+    if min(d, h, E, K) < 1 or L < 0:
+        raise ValueError(f"sizes must be positive (L >= 0): L={L} d={d} h={h} E={E} K={K}")
+    if K > E:
+        raise ValueError(f"top_k K = {K} exceeds the number of experts E = {E} (a token picks K distinct experts)")
+    return L, d, h, E, K, gated
+
+
+@lru_cache(maxsize=4096)
+def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation: str, checkpoint: str, chunks: int,
+             bias: tuple, block_tokens: int, arch: str, retain: bool, round_bytes: int) -> MemoryTrace:
+    """Forward + backward of the layer's GPU path with placeholders for the inputs, under a recording allocator."""
+    gated = activation_info(activation)
+    R = 2 * h if gated else h
+
+    def inp(shape, dt):  # an input: a placeholder the recorder never saw (its bytes are not counted)
+        return _array.Placeholder(shape, _array.storage_dtype(dt, True))
+
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    x, w13, w2 = inp((L, d), dtype), inp((E, R, d), dtype), inp((E, d, h), dtype)
+    gates, ids, dy = inp((L, K), f32), inp((L, K), i32), inp((L, d), dtype)
+    b13 = inp((E, R), dtype) if bias[0] else None
+    b2 = inp((E, d), dtype) if bias[1] else None
+    sz = Sizes(L, d, h, R, E, K, dtype, gated)
+    with _array.dry_run(arch, round_bytes) as run:
+        y, saved = _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, None, None,
+                                          None, (chunks, block_tokens))
+        forward_peak = run.peak
+        forward_events = len(run.events)
+        held = run.live - run.rounded(y.nbytes)  # the dispatch and the saved pre-activations
+        grads = _moe_gpu.layer_backward(dy, saved, None, None, None, None, None, retain)
+        backward_peak = run.peak  # includes the forward's (monotone), as the peak a pool reports after both
+        events = tuple(run.events)
+        del y, saved, grads
+    bounds = chunk_bounds(L, chunks, block_tokens)
+    est = MemoryEstimate(max(forward_peak, backward_peak), held, forward_peak, backward_peak, len(bounds),
+                         max(t1 - t0 for t0, t1 in bounds), checkpoint)
+    return MemoryTrace(est, events, forward_events, round_bytes)
+
+
+def moe_memory_trace(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
+                     checkpoint: str = "ab", chunks: int = 1, bias: tuple[bool, bool] = (False, False),
+                     block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
+                     round_bytes: int = _ROUND) -> MemoryTrace:
+    """:func:`moe_memory` with the allocation events behind it, sizes rounded up to ``round_bytes`` (512: the pools'
+    blocks, as :func:`moe_memory`; 1: the bytes asked for, as torch's ``requested_bytes`` statistic counts them)."""
+    L, d, h, E, K, _ = _check(L, d, h, E, K, checkpoint, activation)
+    dt = _dtype(dtype)
+    if isinstance(round_bytes, bool) or int(round_bytes) < 1:
+        raise ValueError(f"round_bytes must be an int >= 1, got {round_bytes!r}")
+    chunk_bounds(L, chunks, block_tokens)  # validates chunks and block_tokens
+    return _dry_run(L, d, h, E, K, dt, activation, checkpoint, int(chunks), (bool(bias[0]), bool(bias[1])),
+                    int(block_tokens), "sm_90a" if sm90 else "sm_80", bool(retain), int(round_bytes))
 
 
 def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
@@ -90,73 +147,26 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
                block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False) -> MemoryEstimate:
     """Predicted peak and held bytes of one GPU forward + backward of the layer beyond its inputs.
 
+    Runs the layer's GPU path dry (see the module's docstring): no GPU, CuPy device or compiler is needed.
+
     Args:
-        L, d, h, E, K: tokens, model dim, expert hidden dim, experts, top-k (as ``moe_forward``).
+        L, d, h, E, K: tokens, model dim, expert hidden dim, experts, top-k (as ``moe_forward``; 1 <= K <= E).
         dtype: x's dtype (name or numpy dtype; "bfloat16", "float16", "float32").
         activation, checkpoint: as ``moe_forward``.
         chunks: token chunks asked for (``chunk_bounds`` decides how many run).
         bias: (b13 given, b2 given).
         block_tokens: as ``moe_forward``.
-        sm90: the sm_90a kernels' tiles (Hopper, 16-bit types) rather than the mma.sync ones; only the small
-            per-slot partial sums and the chunk carry depend on it.
+        sm90: the GPU is a Hopper (sm_90a): 16-bit types run the sm_90a kernels and their tiles rather than the
+            mma.sync ones; only the small per-slot partial sums and the chunk carry depend on it.
         retain: the backward keeps the saved pre-activations (``retain=True``, e.g. the PyTorch adapter), so
             under "ab" dz takes its own buffer instead of overwriting them.
+
+    Raises:
+        ValueError: an unknown policy or activation, sizes < 1 (L < 0), K > E, chunks or block_tokens < 1.
+        TypeError: a dtype other than bfloat16, float16, float32.
     """
-    if checkpoint not in CHECKPOINTS:
-        raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {', '.join(CHECKPOINTS)})")
-    L, d, h, E, K = (int(v) for v in (L, d, h, E, K))
-    if min(d, h, E, K) < 1 or L < 0:
-        raise ValueError(f"sizes must be positive (L >= 0): L={L} d={d} h={h} E={E} K={K}")
-    b = np.dtype(_array.BF16 if str(dtype) == "bfloat16" else dtype).itemsize
-    R = 2 * h if activation_info(activation) else h
-    bounds = chunk_bounds(L, chunks, block_tokens)
-    Lc = max(t1 - t0 for t0, t1 in bounds)
-    LK, LKc = L * K, Lc * K
-    sm90 = sm90 and b == 2
-    t = _Tracker()
-
-    # ---- forward ----
-    t.alloc(L * d * b)  # y
-    disp = sum(_dispatch_bytes(t, t1 - t0, K, E) for t0, t1 in bounds)
-    z = t.alloc(LK * R * b) if checkpoint == "ab" else 0
-    if L:
-        tiles = t.alloc(4 * (E + 1))
-        hbuf = t.alloc(LKc * h * b)
-        from ._moe_gpu import o_slices
-
-        obuf = t.alloc(LKc * max(c1 - c0 for c0, c1 in o_slices(d)) * b)  # per-slot output rows, column-sliced
-        t.free(hbuf, obuf, tiles)
-    forward_peak = t.peak
-    held = disp + z
-
-    # ---- backward (y is still alive: the caller holds it) ----
-    grads = [L * d * b, E * R * d * b, E * d * h * b, 4 * L * K]
-    grads += [E * R * b] if bias[0] else []
-    grads += [E * d * b] if bias[1] else []
-    for g in grads:
-        t.alloc(g)
-    if len(bounds) > 1 and L:
-        from ._moe_gpu import carry_arrays
-
-        for n in carry_arrays(sm90, E, d, h, R, *bias):  # fp32 partial sums carried between the chunks
-            t.alloc(n)
-    if L:
-        from ._moe_gpu import BN, BN90, dx_slices, h_slices
-
-        tiles = t.alloc(4 * (E + 1))
-        zc = t.alloc(LKc * R * b) if (checkpoint == "none" or retain) else 0  # recomputed z, or dz beside z
-        hw = h if len(bounds) > 1 else max(c1 - c0 for c0, c1 in h_slices(h, d))  # g*hcur rows, h-sliced unchunked
-        hg = t.alloc(LKc * hw * b)
-        part = t.alloc(4 * LKc * _cdiv(h, BN90 if sm90 else BN))  # dgates partials, one per n-tile of dh'
-        t.free(part)
-        nb = _cdiv(Lc, block_tokens)
-        blk = t.alloc(4 * E * nb) if nb > 1 else 0
-        t.free(hg)
-        dxs = t.alloc(LKc * max(c1 - c0 for c0, c1 in dx_slices(d, R)) * b)  # per-slot dx rows, column-sliced
-        t.free(dxs, blk, zc, tiles)
-    backward_peak = t.peak  # includes the forward's (monotone); report the larger of the phases
-    return MemoryEstimate(max(forward_peak, backward_peak), held, forward_peak, backward_peak, len(bounds), Lc,
-                          checkpoint)
+    return moe_memory_trace(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
+                            bias=bias, block_tokens=block_tokens, sm90=sm90, retain=retain).estimate
 
 
 @dataclass(frozen=True)
@@ -199,7 +209,7 @@ def _budget_bytes(budget, device, free_bytes=None) -> int:
 def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                 checkpoint: str | None = "ab", budget=None, bias: tuple[bool, bool] = (False, False),
                 block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-                device: int | None = None, free_bytes=None) -> ChunkPlan:
+                device: int | None = None, free_bytes=None, reserved: int = 0) -> ChunkPlan:
     """The smallest chunk count whose predicted peak (:func:`moe_memory`) fits ``budget``.
 
     Args:
@@ -208,13 +218,15 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
         budget: bytes (int), or a fraction in (0, 1] of the device's free memory (float); default 0.9 of the
             free memory of ``device`` (the current device when None), read with cudaMemGetInfo.
         free_bytes: a callable giving the free bytes instead (a framework's own count, e.g. torch's cache).
+        reserved: bytes the caller holds beside the core's allocations during the call (an adapter's router
+            logits, gates, dy ...): a plan fits when its predicted peak plus ``reserved`` fits the budget.
         the rest: as :func:`moe_memory`.
 
     Returns:
         :class:`ChunkPlan`. Distinct chunkings are tried in increasing count (chunk_bounds rounds chunks to
         multiples of ``block_tokens``); if none fits, the one with the smallest peak and ``fits=False``.
     """
-    want = _budget_bytes(budget, device, free_bytes)
+    want = _budget_bytes(budget, device, free_bytes) - int(reserved)
     policies = CHECKPOINTS if checkpoint is None else (checkpoint,)
     best = None
     for pol in policies:
@@ -234,4 +246,5 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
     return ChunkPlan(c, pol, est, want, False)
 
 
-__all__ = ["ChunkPlan", "MemoryEstimate", "free_device_bytes", "moe_memory", "plan_chunks"]
+__all__ = ["ChunkPlan", "MemoryEstimate", "MemoryTrace", "free_device_bytes", "moe_memory", "moe_memory_trace",
+           "plan_chunks"]

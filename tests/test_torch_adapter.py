@@ -140,8 +140,10 @@ def test_gradcheck_moe_ffn(activation, bias, checkpoint):
 
     def f(x, w13, w2, gates, *b):
         bb = b if bias else (None, None)
+        # gradcheck backpropagates through one graph once per output element: the saved pre-activations must
+        # survive each backward
         return ops.moe_ffn(x, w13, w2, gates, ids, activation=activation, checkpoint=checkpoint, b13=bb[0],
-                           b2=bb[1], dispatch=disp)
+                           b2=bb[1], dispatch=disp, retain_saved=True)
 
     args = (x, w13, w2, gates, *((b13, b2) if bias else ()))
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -419,14 +421,38 @@ def test_bad_inputs_raise_clear_errors():
         MoELayer(d, h, E, E + 1)
 
 
-def test_backward_twice_with_retain_graph():
-    """The backward op rebuilds MoESaved and runs with retain=True: saved tensors survive a second backward."""
+def test_second_backward_raises_unless_retain_saved():
+    """The backward writes dz over the saved pre-activations (ab declared mutated): a second backward through the
+    same graph raises PyTorch's in-place error naming retain_saved; with retain_saved=True both backwards agree."""
     x, w13, w2, gates, ids, _, _, _ = _inputs(9, 8, 4, 4, 2, torch.float32)
     y = ops.moe_ffn(x, w13, w2, gates, ids, checkpoint="ab")
+    torch.autograd.grad(y.sum(), (x, w13, w2, gates), retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"(?s)modified by an inplace operation.*retain_saved=True"):
+        torch.autograd.grad(y.sum(), (x, w13, w2, gates))
+    y = ops.moe_ffn(x, w13, w2, gates, ids, checkpoint="ab", retain_saved=True)
     first = torch.autograd.grad(y.sum(), (x, w13, w2, gates), retain_graph=True)
     second = torch.autograd.grad(y.sum(), (x, w13, w2, gates))
     for a, b, n in zip(first, second, ("dx", "dw13", "dw2", "dgates"), strict=True):
         assert torch.equal(a, b), n
+    # "none" keeps nothing to overwrite: two backwards work without the option
+    y = ops.moe_ffn(x, w13, w2, gates, ids, checkpoint="none")
+    first = torch.autograd.grad(y.sum(), (x, w13, w2, gates), retain_graph=True)
+    second = torch.autograd.grad(y.sum(), (x, w13, w2, gates))
+    for a, b, n in zip(first, second, ("dx", "dw13", "dw2", "dgates"), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_layer_retain_saved_and_auto_policy():
+    """MoELayer passes retain_saved through; checkpoint="auto" runs "ab" where the planner is off (CPU)."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 4, 2, chunks="auto", checkpoint="auto", retain_saved=True)
+    x = torch.randn(9, 8, requires_grad=True)
+    y, _ = layer(x)
+    first = torch.autograd.grad(y.sum(), (x, layer.gate_up_proj), retain_graph=True)
+    second = torch.autograd.grad(y.sum(), (x, layer.gate_up_proj))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    with pytest.raises(ValueError, match="checkpoint"):
+        MoELayer(8, 4, 4, 2, checkpoint="some")
 
 
 def test_backward_op_checks_saved_preactivations():

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import blazecore
-from blazecore.layer import compose_moe_layer, resolve_chunks
+from blazecore.layer import compose_moe_layer, resolve_plan
 
 from . import ops
 
@@ -55,13 +55,16 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
         x: (..., d) tokens in the parameters' dtype.
         top_k: K experts per token, 1 <= K <= E.
         activation: one of ``blazecore.ACTIVATIONS``.
-        checkpoint: "ab" or "none" (see ``blazecore.moe_forward``).
+        checkpoint: "ab" or "none" (see ``blazecore.moe_forward``), or "auto" with ``chunks="auto"``: the
+            planner's choice ("ab" if some chunk count fits with it, else "none").
         score, renormalize: router scoring (see :func:`ops.route_topk`).
         expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), no gradient.
         chunks: token chunks of the expert FFNs (an int >= 1; bit-identical results, transients scale with
             L / chunks), or "auto": planned at trace time from the static shapes with
             ``blazecore.plan_chunks`` for ``memory_budget`` (bytes, or a fraction of the free memory of x's
-            device as its memory_stats report, default 0.9); one chunk on the CPU.
+            device as its memory_stats report, default 0.9), keeping room for what the call holds beside the
+            core (``blazecore.layer.layer_call_bytes``: router logits, gates, ids, the incoming gradient); one
+            chunk on the CPU.
 
     Returns:
         (y, aux): y with x's shape and dtype; aux a dict with ``load_balancing_loss`` and ``z_loss``
@@ -85,9 +88,9 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
     tokens = x.reshape(-1, d)
     logits = tokens @ router.T
     h = int(w2.shape[2])
-    chunks = resolve_chunks(chunks, int(tokens.shape[0]), d, h, E, top_k, dtype=str(np.dtype(w13.dtype)),
-                            activation=activation, checkpoint=checkpoint, budget=memory_budget,
-                            free_bytes=_free_bytes_probe())
+    chunks, checkpoint = resolve_plan(chunks, checkpoint, int(tokens.shape[0]), d, h, E, top_k,
+                                      dtype=str(np.dtype(w13.dtype)), activation=activation, budget=memory_budget,
+                                      free_bytes=_free_bytes_probe())
     y, aux = compose_moe_layer(ops, tokens, logits, w13, w2, top_k=top_k, num_experts=E, score=score,
                                renormalize=renormalize, expert_bias=expert_bias, activation=activation,
                                checkpoint=checkpoint, chunks=chunks)

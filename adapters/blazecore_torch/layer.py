@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import blazecore
-from blazecore.layer import compose_moe_layer, resolve_chunks
+from blazecore.layer import compose_moe_layer, resolve_plan
 
 from . import ops
 
@@ -59,12 +59,18 @@ class MoELayer(nn.Module):
         renormalize: divide the K selected scores by their sum.
         expert_bias: keep an (E,) float32 buffer ``expert_bias`` added to the scores for selection only
             (aux-loss-free balancing); update it with :meth:`update_expert_bias`.
-        checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward) or "none" (recompute them).
+        checkpoint: "ab" (keep the (L*K, R) pre-activations for the backward), "none" (recompute them), or
+            "auto" with ``chunks="auto"``: the planner's choice per call ("ab" if some chunk count fits with it,
+            else "none"; "ab" wherever "auto" runs one chunk).
         chunks: token chunks of the expert FFNs (transient memory scales with L / chunks, results are
-            bit-identical), or "auto": on a GPU, the smallest count whose predicted peak
-            (``blazecore.moe_memory``) fits ``memory_budget``, planned per call from the token count (eager
-            only; under torch.compile and on the CPU "auto" runs one chunk).
+            bit-identical), or "auto": on a GPU, the smallest count whose predicted peak fits ``memory_budget``,
+            planned per call from the token count for everything the call holds: the core's buffers
+            (``blazecore.moe_memory``) and, beside them, the router logits, gates, ids and the incoming gradient
+            (``blazecore.layer.layer_call_bytes``). Eager only; under torch.compile and on the CPU "auto" runs
+            one chunk.
         memory_budget: for "auto": bytes, or a fraction of the free device memory (default 0.9).
+        retain_saved: keep the saved pre-activations intact through the backward so that a second backward
+            through the same graph works (``blazecore_torch.moe_ffn``'s option; off by default).
         device, dtype: of the parameters.
 
     ``forward(x)`` takes x (..., d) and returns ``(y, aux)``: y with x's shape and dtype, and aux a dict with
@@ -74,12 +80,13 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
-                 expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None, device=None,
-                 dtype=None):
+                 expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None,
+                 retain_saved: bool = False, device=None, dtype=None):
         super().__init__()
         gated = blazecore.activation_info(activation)
-        if checkpoint not in blazecore.CHECKPOINTS:
-            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {blazecore.CHECKPOINTS})")
+        if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
+            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
+                             f"{(*blazecore.CHECKPOINTS, 'auto')})")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
         if not 1 <= top_k <= num_experts:
@@ -89,7 +96,7 @@ class MoELayer(nn.Module):
         self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
         if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
             raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
-        self.chunks, self.memory_budget = chunks, memory_budget
+        self.chunks, self.memory_budget, self.retain_saved = chunks, memory_budget, bool(retain_saved)
         R = 2 * intermediate_size if gated else intermediate_size
         add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype)
         if expert_bias:
@@ -115,14 +122,15 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
         logits = self.router(tokens)
-        chunks = resolve_chunks(self.chunks, tokens.shape[0], self.hidden_size, self.intermediate_size,
-                                self.num_experts, self.top_k, dtype=str(x.dtype).removeprefix("torch."),
-                                activation=self.activation, checkpoint=self.checkpoint, budget=self.memory_budget,
-                                free_bytes=self._free_bytes(x))
+        chunks, checkpoint = resolve_plan(self.chunks, self.checkpoint, tokens.shape[0], self.hidden_size,
+                                          self.intermediate_size, self.num_experts, self.top_k,
+                                          dtype=str(x.dtype).removeprefix("torch."), activation=self.activation,
+                                          budget=self.memory_budget, free_bytes=self._free_bytes(x),
+                                          retain=self.retain_saved)
         y, aux = compose_moe_layer(ops, tokens, logits, self.gate_up_proj, self.down_proj, top_k=self.top_k,
                                    num_experts=self.num_experts, score=self.score, renormalize=self.renormalize,
                                    expert_bias=self.expert_bias, activation=self.activation,
-                                   checkpoint=self.checkpoint, chunks=chunks)
+                                   checkpoint=checkpoint, chunks=chunks, retain_saved=self.retain_saved)
         return y.reshape(shape), aux
 
     @staticmethod

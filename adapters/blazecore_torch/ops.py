@@ -28,7 +28,9 @@ the activation gradient dz over ``ab`` (the op declares ``ab`` mutated, so no (L
 beside it). The mutation bumps ``ab``'s version counter: a second backward through the same graph
 (``retain_graph=True``) raises PyTorch's error for a saved tensor modified in place instead of computing
 garbage. ``moe_ffn(..., retain_saved=True)`` (and ``MoELayer(retain_saved=True)``) keeps the saved
-pre-activations intact (the backward works on a copy), at the cost of one (L*K, R) transient.
+pre-activations intact (the backward works on a copy), at the cost of one (L*K, R) transient. Under
+``torch.compile`` the backward also works on a copy (AOTAutograd cannot partition a backward that mutates a saved
+forward output), so the saving is eager-mode only.
 
 dtypes: x, w13, w2 (and biases) float32, float16 or bfloat16 with float32 gates, on CPU or CUDA. On
 the CPU, float64 is accepted as well (gates float64 too) and runs blazecore's float64 NumPy reference
@@ -460,8 +462,13 @@ def _moe_backward(ctx, dy, dab):
         raise
     if dy is None:
         dy = torch.zeros_like(x)
-    if ctx.retain_saved and ab.numel():
-        ab = ab.clone()  # the backward overwrites its ab argument; keep the saved one for another backward
+    if (ctx.retain_saved and ab.numel()) or type(ab) is not torch.Tensor:
+        # the backward overwrites its ab argument: keep the saved one for another backward when asked, and while
+        # a compiler traces (FakeTensor / FunctionalTensor): AOTAutograd's partitioner cannot take a backward
+        # that mutates a saved forward output, so a compiled graph keeps dz beside ab
+        ab = ab.clone()
+    elif not ab.numel():
+        ab = ab.new_empty(ab.shape)  # "none": nothing is overwritten; keep the saved placeholder's version as it is
     dx, dw13, dw2, dgates, db13, db2 = torch.ops.blazecore.moe_backward(
         dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
         ctx.activation, ctx.checkpoint, ctx.chunks)
