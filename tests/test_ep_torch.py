@@ -113,3 +113,53 @@ def test_ep_size_one_nccl_gives_plain_layer_bits():
             assert err < 2e-2, f"{name} through the all-to-all path: relative norm error {err:.2e}"
     finally:
         dist.destroy_process_group()
+
+
+def _titan_moe(d, F, E, K, seed=0):
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    return MoE.Config(
+        num_experts=E, router=TokenChoiceTopKRouter.Config(
+            num_experts=E, top_k=K, gate=Linear.Config(in_features=d, out_features=E, bias=False)),
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=d, hidden_dim=F, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K)))
+
+
+def test_torchtitan_experts_backend():
+    """torchtitan's MoE with blazecore's experts (blazecore_torch.titan) against its grouped_mm experts (which
+    compute in bf16): output and every gradient, then a few optimizer steps of both."""
+    pytest.importorskip("torchtitan")
+    from blazecore_torch.titan import use_blazecore_experts
+
+    d, F, E, K = 16, 8, 4, 2
+    stock = _titan_moe(d, F, E, K).build()
+    torch.manual_seed(0)
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = use_blazecore_experts(_titan_moe(d, F, E, K)).build()
+    assert type(ours.routed_experts.inner_experts).__name__ == "BlazecoreGroupedExperts"
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(2, 7, d)
+    outs = []
+    for m in (stock, ours):
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        (y * torch.linspace(-1, 1, d)).sum().backward()
+        outs.append({"y": y, "dx": xx.grad, **{n: p.grad for n, p in m.named_parameters()}})
+    for name, want in outs[0].items():
+        got = outs[1][name]
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < 2e-2, f"{name}: relative norm error {err:.2e} against torchtitan's bf16 grouped_mm experts"
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    target = torch.randn(2, 7, d)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = ((ours(x) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
