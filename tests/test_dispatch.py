@@ -1,7 +1,7 @@
 """build_dispatch: invariants fuzzed with hypothesis, an argsort oracle, every GPU plan, bad inputs.
 
 Two independent oracles: blazecore/reference/dispatch.py (the three phases, used by the CPU backend)
-and ``argsort_oracle`` here (a stable argsort of the flattened ids).
+and ``blazecore.testing.argsort_dispatch`` (a stable argsort of the flattened ids).
 """
 
 from __future__ import annotations
@@ -18,53 +18,16 @@ from blazecore import _array
 from blazecore import dispatch as D
 from blazecore.dispatch import Dispatch, build_dispatch
 from blazecore.reference import dispatch as ref
+from blazecore.testing import argsort_dispatch, make_routing
 
 FUZZ = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])
-KINDS = ("uniform", "skewed", "one_expert", "first_k", "half_empty")
+KINDS = ("uniform", "skewed", "all_to_one", "same", "empty_experts")
 
 
 # ---------------------------------------------------------------------------------------------
 # Oracle, routings, checks
 # ---------------------------------------------------------------------------------------------
-
-
-def argsort_oracle(ids: np.ndarray, num_experts: int):
-    """The conventional build: stable argsort of the flat ids, bincount, cumsum, inverse permutation."""
-    num_tokens, top_k = ids.shape
-    flat = ids.reshape(-1).astype(np.int64)
-    order = np.argsort(flat, kind="stable")
-    offsets = np.zeros(num_experts + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(np.bincount(flat, minlength=num_experts))
-    pair_slot = np.empty(flat.size, dtype=np.int64)
-    pair_slot[order] = np.arange(flat.size)
-    return offsets, order // max(top_k, 1), order % max(top_k, 1), pair_slot.reshape(num_tokens, top_k)
-
-
-def routing(rng: np.random.Generator, num_tokens: int, top_k: int, num_experts: int, kind: str,
-            dtype=np.int32) -> np.ndarray:
-    """(L, K) ids, K distinct experts per row, columns in random order.
-
-    uniform: every expert equally likely. skewed: expert e weighted (e + 1)^-2 (Zipf-like, a few hot
-    experts, many cold). one_expert: every token's first choice is expert 0 (K = 1: all tokens on one
-    expert). first_k: every row is a permutation of experts 0..K-1. half_empty: only even experts used
-    where that leaves at least K, so about half the experts are empty.
-    """
-    L, K, E = num_tokens, top_k, num_experts
-    weights = np.ones(E)
-    if kind == "skewed":
-        weights = (np.arange(E) + 1.0) ** -2.0
-    elif kind == "first_k":
-        weights = np.where(np.arange(E) < K, 1.0, 0.0)
-    elif kind == "half_empty" and (E + 1) // 2 >= K:
-        weights = np.where(np.arange(E) % 2 == 0, 1.0, 0.0)
-    # Gumbel top-k: K distinct experts drawn without replacement in proportion to the weights.
-    with np.errstate(divide="ignore"):
-        keys = np.log(weights)[None, :] + rng.gumbel(size=(L, E))
-    if kind == "one_expert":
-        keys[:, 0] = np.inf
-    ids = np.argpartition(-keys, K - 1, axis=1)[:, :K] if L and K else np.zeros((L, K), np.int64)
-    return rng.permuted(ids, axis=1).astype(dtype) if L and K else ids.astype(dtype)
 
 
 def assert_int_equal(actual, expected, name: str) -> None:
@@ -109,7 +72,7 @@ def check_dispatch(d: Dispatch, ids: np.ndarray, num_experts: int, backend: str)
         same_expert = slot_expert[1:] == slot_expert[:-1]
         assert (rising | ~same_expert).all(), "an expert's slots are not in (token, k) order"
     # the independent oracle
-    for name, got, want in zip(fields, (off, st_, sk, ps), argsort_oracle(ids, E), strict=True):
+    for name, got, want in zip(fields, (off, st_, sk, ps), argsort_dispatch(ids, E), strict=True):
         assert_int_equal(got, want, name)
 
 
@@ -127,7 +90,7 @@ def routings(draw):
     kind = draw(st.sampled_from(KINDS))
     dtype = draw(st.sampled_from([np.int32, np.int64]))
     seed = draw(st.integers(0, 2**32 - 1))
-    return routing(np.random.default_rng(seed), L, K, E, kind, dtype), E
+    return make_routing(np.random.default_rng(seed), L, E, K, kind, dtype), E
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -146,7 +109,7 @@ def test_reference_tiles_match_oracle(case, tile_tokens):
     ids, E = case
     got = ref.build_dispatch(ids, E, tile_tokens=tile_tokens)
     names = ("expert_offsets", "slot_token", "slot_k", "pair_slot")
-    for name, g, w in zip(names, got, argsort_oracle(ids, E), strict=True):
+    for name, g, w in zip(names, got, argsort_dispatch(ids, E), strict=True):
         assert_int_equal(g, w, name)
 
 
@@ -157,9 +120,9 @@ CASES = [
     pytest.param(63, 2, 8, "uniform", id="L63"),
     pytest.param(100, 8, 8, "uniform", id="K_eq_E"),
     pytest.param(64, 64, 64, "uniform", id="K_eq_E_64"),
-    pytest.param(5000, 1, 16, "one_expert", id="all_on_one_expert"),
-    pytest.param(3000, 2, 32, "first_k", id="all_on_first_K"),
-    pytest.param(3000, 4, 100, "half_empty", id="empty_experts"),
+    pytest.param(5000, 1, 16, "all_to_one", id="all_on_one_expert"),
+    pytest.param(3000, 2, 32, "same", id="all_on_the_same_K"),
+    pytest.param(3000, 4, 100, "empty_experts", id="empty_experts"),
     pytest.param(4000, 8, 256, "skewed", id="skewed"),
     pytest.param(1500, 8, 1024, "uniform", id="E1024"),
     pytest.param(2049, 1, 3, "uniform", id="tile_plus_one"),
@@ -171,7 +134,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [np.int32, np.int64], ids=["i32", "i64"])
 @pytest.mark.parametrize("L,K,E,kind", CASES)
 def test_degenerate_routings(backend, dtype, L, K, E, kind):
-    ids = routing(np.random.default_rng(L * 7 + K * 3 + E), L, K, E, kind, dtype)
+    ids = make_routing(np.random.default_rng(L * 7 + K * 3 + E), L, E, K, kind, dtype)
     check_dispatch(build_dispatch(to_backend(ids, backend), E), ids, E, backend)
 
 
@@ -185,7 +148,7 @@ def test_empty(backend):
 
 @pytest.mark.parametrize("backend", backends())
 def test_dispatch_helpers(backend):
-    ids = routing(np.random.default_rng(0), 50, 2, 6, "uniform")
+    ids = make_routing(np.random.default_rng(0), 50, 6, 2, "uniform")
     d = build_dispatch(to_backend(ids, backend), 6)
     assert_int_equal(d.counts(), np.bincount(ids.reshape(-1), minlength=6), "counts()")
     r = repr(d)
@@ -198,7 +161,7 @@ def test_dispatch_helpers(backend):
 
 
 def _valid(L=8, K=3, E=8, dtype=np.int32):
-    return routing(np.random.default_rng(1), L, K, E, "uniform", dtype)
+    return make_routing(np.random.default_rng(1), L, E, K, "uniform", dtype)
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -396,8 +359,8 @@ def test_gpu_every_plan(tile, mode, dtype):
         n = L * K
         if mode == D.MODE_SINGLE_TILE and n > tile[0] * tile[1]:
             continue
-        for kind in ("uniform", "skewed", "one_expert"):
-            ids = routing(rng, L, K, E, kind, dtype)
+        for kind in ("uniform", "skewed", "all_to_one"):
+            ids = make_routing(rng, L, E, K, kind, dtype)
             d = D._build_gpu(cupy.asarray(ids), E, L, K, cupy.cuda.get_current_stream(), True, tile, mode)
             check_dispatch(d, ids, E, "gpu")
 
@@ -414,7 +377,7 @@ def test_gpu_every_plan(tile, mode, dtype):
     ],
 )
 def test_gpu_medium(L, K, E, dtype):
-    ids = routing(np.random.default_rng(L + E), L, K, E, "skewed", dtype)
+    ids = make_routing(np.random.default_rng(L + E), L, E, K, "skewed", dtype)
     check_dispatch(build_dispatch(to_backend(ids, "gpu"), E), ids, E, "gpu")
 
 
@@ -457,7 +420,7 @@ def test_gpu_validate_false_clamps_and_stays_in_bounds():
         d = build_dispatch(cupy.asarray(ids), 8, validate=False)
         clamped = np.clip(ids, 0, 7)
         names = ("expert_offsets", "slot_token", "slot_k", "pair_slot")
-        for name, want in zip(names, argsort_oracle(clamped, 8), strict=True):
+        for name, want in zip(names, argsort_dispatch(clamped, 8), strict=True):
             assert_int_equal(getattr(d, name), want, name)
 
 
@@ -470,7 +433,7 @@ def test_gpu_validation_agrees_with_cpu():
     for trial in range(40):
         L, E = int(rng.integers(1, 3000)), int(rng.choice([4, 8, 64, 100]))
         K = int(rng.integers(1, min(E, 48) + 1))
-        ids = routing(rng, L, K, E, "uniform", np.int64 if trial % 2 else np.int32)
+        ids = make_routing(rng, L, E, K, "uniform", np.int64 if trial % 2 else np.int32)
         for _ in range(int(rng.integers(1, 4))):
             t, k = int(rng.integers(L)), int(rng.integers(K))
             ids[t, k] = rng.choice([-1, E, ids[t, (k + 1) % K]])
@@ -492,7 +455,7 @@ def test_gpu_graph_capture_and_replay():
     rng = np.random.default_rng(9)
     L, K, E = 100_000, 4, 128  # three launches: count, scan over tiles, scatter
     assert D.plan(L * K, E).mode == D.MODE_SCANNED
-    ids = cupy.asarray(routing(rng, L, K, E, "uniform"))
+    ids = cupy.asarray(make_routing(rng, L, E, K, "uniform"))
     cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
@@ -501,8 +464,8 @@ def test_gpu_graph_capture_and_replay():
         s.begin_capture()
         d = build_dispatch(ids, E, validate=False, stream=s)
         graph = s.end_capture()
-        for kind in ("skewed", "one_expert"):
-            new = routing(rng, L, K, E, kind)
+        for kind in ("skewed", "all_to_one"):
+            new = make_routing(rng, L, E, K, kind)
             ids.set(new, stream=s)
             graph.launch(stream=s)
             s.synchronize()
@@ -521,7 +484,7 @@ def test_gpu_side_stream_and_allocator():
         return cupy.full(shape, -1, dtype=dtype_name)
 
     L, K, E = 50_000, 2, 256
-    ids = routing(np.random.default_rng(4), L, K, E, "skewed")
+    ids = make_routing(np.random.default_rng(4), L, E, K, "skewed")
     ids_gpu = cupy.asarray(ids)
     cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
     s = cupy.cuda.Stream(non_blocking=True)
@@ -539,7 +502,7 @@ def test_gpu_raw_stream_handle():
     """``stream`` may be a raw cudaStream_t (what a framework adapter passes)."""
     import cupy
 
-    ids = routing(np.random.default_rng(6), 20_000, 8, 64, "uniform")
+    ids = make_routing(np.random.default_rng(6), 20_000, 64, 8, "uniform")
     ids_gpu = cupy.asarray(ids)
     cupy.cuda.get_current_stream().synchronize()  # the upload ran on another stream
     s = cupy.cuda.Stream(non_blocking=True)
@@ -551,7 +514,7 @@ def test_gpu_raw_stream_handle():
 @pytest.mark.gpu
 def test_gpu_torch_tensor_input():
     torch = pytest.importorskip("torch")
-    ids = routing(np.random.default_rng(8), 1000, 2, 16, "uniform", np.int64)
+    ids = make_routing(np.random.default_rng(8), 1000, 16, 2, "uniform", np.int64)
     d = build_dispatch(torch.from_numpy(ids).cuda(), 16)
     check_dispatch(d, ids, 16, "gpu")
 

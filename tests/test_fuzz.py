@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import ROUTINGS, assert_close, make_routing, to_backend, to_numpy
+from conftest import ROUTINGS, argsort_dispatch, assert_close, make_routing, to_backend, to_numpy
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -226,17 +226,6 @@ def local_z_loss(x):
         return lse**2 / L
 
     return float(rows(x).sum()), _row_jvp_by_columns(rows, x)[:, 0, :]
-
-
-def argsort_dispatch(ids, E):
-    """The conventional build: stable argsort of the flat ids, bincount, inverse permutation."""
-    L, K = ids.shape
-    flat = ids.reshape(-1).astype(np.int64)
-    order = np.argsort(flat, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E))])
-    pair_slot = np.empty(flat.size, np.int64)
-    pair_slot[order] = np.arange(flat.size)
-    return offsets, order // max(K, 1), order % max(K, 1), pair_slot.reshape(L, K)
 
 
 def dgates_scale(dy, z, w2, b2, ids, activation):

@@ -219,7 +219,8 @@ def format_info(info: dict) -> str:
     if c.get("cuda_driver") and c.get("nvidia_smi_driver"):
         driver = f"{c['cuda_driver']} (driver {c['nvidia_smi_driver']})"
     lines.append(f"CUDA driver: {driver}")
-    lines.append(f"CUDA runtime (CuPy): {c.get('cuda_runtime') or 'n/a (' + c.get('cuda_runtime_error', '?') + ')'}")
+    runtime = c.get("cuda_runtime") or f"n/a ({c.get('cuda_runtime_error', 'cupy missing')})"
+    lines.append(f"CUDA runtime (CuPy): {runtime}")
     lines.append(f"CuPy: {c.get('cupy') or 'not installed'}")
     lines.append(f"NVRTC: {c.get('nvrtc') or 'n/a (' + c.get('nvrtc_error', 'cupy missing') + ')'}")
     t = info["torch"]
