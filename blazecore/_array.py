@@ -15,7 +15,10 @@ op returns whatever the allocator returned, and the kernel writes through a CuPy
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
+import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,7 +94,7 @@ def asarray(obj: Any, name: str = "array"):
 
     Raises TypeError for objects that are not arrays and ValueError for unsupported devices.
     """
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, (np.ndarray, Placeholder)):
         return obj
     mod = type(obj).__module__.split(".")[0]
     if mod == "cupy":
@@ -196,6 +199,10 @@ class Out:
 
 def empty_gpu(shape, dtype) -> Out:
     shape = tuple(int(s) for s in shape)
+    run = _dry.get()
+    if run is not None:
+        v = run.empty(shape, dtype)
+        return Out(v, v)
     if _allocator is None:
         v = _poison(_cupy().empty(shape, dtype=storage_dtype(dtype, True)))
         return Out(v, v)
@@ -230,10 +237,161 @@ def out_or_empty(out, shape, dtype, gpu: bool, name: str) -> Out:
 
 
 def current_stream(stream=None):
-    """A cupy Stream for ``stream`` (cupy Stream, raw handle int, or None for cupy's current)."""
+    """A cupy Stream for ``stream`` (cupy Stream, raw handle int, or None for cupy's current); in a dry run a
+    stand-in that launches nothing."""
+    if _dry.get() is not None:
+        return _DRY_STREAM
     cp = _cupy()
     if stream is None:
         return cp.cuda.get_current_stream()
     if isinstance(stream, int):
         return cp.cuda.ExternalStream(stream)
     return stream
+
+
+def device_scope(device_id: int):
+    """``with device_scope(i):`` makes GPU i current (``cupy.cuda.Device``); in a dry run it does nothing."""
+    if _dry.get() is not None:
+        return contextlib.nullcontext()
+    return _cupy().cuda.Device(device_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dry runs: a GPU call's allocations, recorded, with no memory allocated and no kernel launched
+# ---------------------------------------------------------------------------------------------
+
+
+class _Flags:
+    c_contiguous = True
+
+
+class _Device:
+    def __init__(self, device_id: int):
+        self.id = device_id
+
+
+class Placeholder:
+    """What a dry run allocates instead of a GPU array: shape, storage dtype and nbytes, and views of it.
+
+    A view (basic indexing, ``reshape``) keeps its base alive, as a CuPy view keeps its memory, so the base is
+    released exactly where the real call would return its buffer to the pool. ``fill`` does nothing.
+    """
+
+    __slots__ = ("shape", "dtype", "base", "__weakref__")
+    flags = _Flags()
+    device = _Device(0)
+
+    def __init__(self, shape, dtype, base: Placeholder | None = None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.base = base
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def _root(self) -> Placeholder:
+        return self if self.base is None else self.base
+
+    def __getitem__(self, key) -> Placeholder:
+        # the shape numpy gives the same index on a zero-stride array of this shape (no memory)
+        shape = np.broadcast_to(np.uint8(0), self.shape)[key].shape
+        return Placeholder(shape, self.dtype, self._root())
+
+    def reshape(self, *shape) -> Placeholder:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = [int(s) for s in shape]
+        if -1 in shape:
+            rest = math.prod(s for s in shape if s != -1)
+            shape[shape.index(-1)] = self.size // rest if rest else 0
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
+        return Placeholder(shape, self.dtype, self._root())
+
+    def fill(self, value) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"Placeholder({self.shape}, {dtype_name(logical_dtype(self))})"
+
+
+class _DryStream:
+    """The stream of a dry run: a context manager that does nothing, with a null handle."""
+
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_DRY_STREAM = _DryStream()
+
+
+def no_launch(*args, **kwargs) -> None:
+    """The kernel function of a dry run: launches nothing."""
+
+
+class DryRun:
+    """Records the allocations of GPU calls made under :func:`dry_run`.
+
+    Each ``empty_gpu`` becomes a :class:`Placeholder` and an ``("alloc", bytes, shape, dtype)`` event, its release
+    (when the placeholder and its views are gone) a ``("free", ...)`` event; bytes are rounded up to
+    ``round_bytes`` as the caching allocators do (torch's and CuPy's pools: 512), 0 for an empty array. ``live``
+    and ``peak`` follow the events. ``arch`` is the GPU the run stands for (it picks kernel variants and tiles).
+    """
+
+    def __init__(self, arch: str, round_bytes: int = 512):
+        self.arch = arch
+        self.round_bytes = int(round_bytes)
+        self.live = 0
+        self.peak = 0
+        self.events: list[tuple] = []
+
+    def rounded(self, nbytes: int) -> int:
+        r = self.round_bytes
+        return -(-int(nbytes) // r) * r if nbytes else 0
+
+    def empty(self, shape, dtype) -> Placeholder:
+        p = Placeholder(shape, storage_dtype(dtype, True))
+        n = self.rounded(p.nbytes)
+        self.events.append(("alloc", n, p.shape, dtype_name(dtype)))
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(p, self._free, n, p.shape, dtype_name(dtype))
+        return p
+
+    def _free(self, n: int, shape, dtype: str) -> None:
+        self.events.append(("free", n, shape, dtype))
+        self.live -= n
+
+
+_dry: contextvars.ContextVar = contextvars.ContextVar("blazecore_dry_run", default=None)
+
+
+@contextlib.contextmanager
+def dry_run(arch: str, round_bytes: int = 512):
+    """Run GPU calls without a GPU: every ``empty_gpu`` records into the yielded :class:`DryRun` and returns a
+    placeholder, kernel functions launch nothing, streams and device scopes do nothing. Launchers read
+    ``dry()`` where they would ask the device (its arch, shared-memory limits) or read results back."""
+    run = DryRun(arch, round_bytes)
+    token = _dry.set(run)
+    try:
+        yield run
+    finally:
+        _dry.reset(token)
+
+
+def dry() -> DryRun | None:
+    """The active :class:`DryRun`, or None."""
+    return _dry.get()

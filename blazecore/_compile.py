@@ -17,6 +17,8 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from . import _array
+
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 _BASE_OPTIONS = ("--std=c++17", "-DNDEBUG", "--generate-line-info", "-default-device")
 _lock = threading.Lock()
@@ -80,6 +82,10 @@ def arch_for_capability(major: int, minor: int) -> str:
 
 
 def device_arch(device_id: int | None = None) -> str:
+    """The arch kernels are compiled for on the device (the current one when None); a dry run's own arch."""
+    run = _array.dry()
+    if run is not None:
+        return run.arch
     import cupy
 
     dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
@@ -145,8 +151,11 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
     """The CuPy Function for ``name_expression`` (e.g. ``"dispatch_count<256>"``) in ``cuda/<filename>``.
 
     ``module_names``: every name expression to compile into the same module (defaults to just this
-    one); the module is cached per (file, names, options, device arch).
+    one); the module is cached per (file, names, options, device arch). In a dry run
+    (:func:`blazecore._array.dry_run`): a function that launches nothing.
     """
+    if _array.dry() is not None:
+        return _array.no_launch
     import cupy
 
     dev = cupy.cuda.Device().id

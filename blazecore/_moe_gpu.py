@@ -1,4 +1,6 @@
-"""GPU launchers for the expert FFN (``cuda/moe.cu``), called by :mod:`blazecore.moe`.
+"""GPU launchers for the expert FFN (``cuda/moe.cu``), called by :mod:`blazecore.moe`, and the layer's GPU
+path (:func:`layer_forward`, :func:`layer_backward`: outputs, dispatch, launchers), which the memory model
+(:mod:`blazecore.memory`) runs dry to count its allocations.
 
 Every function here takes validated CuPy views (bf16 as uint16 storage), launches on ``stream`` and never
 synchronises with the host: tile counts per expert live on the device (``moe_tile_offsets``), grids are
@@ -22,6 +24,8 @@ import numpy as np
 
 from . import _array, _compile
 from ._array import BF16, logical_dtype
+from ._moe_common import MoEGrads, MoESaved, Sizes, check_dispatch, check_gpu_device, chunk_bounds, grad_outs, user
+from .dispatch import _validate_gpu, build_dispatch
 
 _FILE = "moe.cu"
 _FILE90 = "moe_sm90.cu"
@@ -111,6 +115,8 @@ _SM_COUNT: dict[int, int] = {}
 def _persistent_grid(grid):
     """At most one CTA per SM of the current device: each walks the device-side tile list of the sm_90a M-grouped
     kernel with a stride of the grid (any grid is correct; the full one gives each CTA one tile)."""
+    if _array.dry() is not None:
+        return int(grid)
     import cupy as cp
 
     dev = cp.cuda.Device().id
@@ -143,10 +149,10 @@ class _Kernels:
         self.itemsize = np.dtype(dtype).itemsize
         self.names = _module_names(self.ct, self.act)
         self.variants = _variants(self.ct, self.act)
-        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels
-        self.sm90 = (
-            self.itemsize == 2 and _compile.device_arch() == "sm_90a" and os.environ.get("BLAZECORE_SM90", "1") != "0"
-        )
+        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
+        # follows its own arch only: the memory model is a function of its arguments)
+        self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and (
+            _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0")
 
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
@@ -465,3 +471,75 @@ def h_slices(h: int, d: int) -> list[tuple[int, int]]:
     """Column slices of h for the backward's dh' GEMM and dw2 (the g * hcur rows (L*K, width)): one slice unless h
     is wider than d; then slices at most d wide. Each extra slice gathers the dy rows (width d) once more."""
     return _col_slices(h, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer's GPU path: every allocation of a forward and a backward, in order (blazecore.memory runs it dry)
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
+    """The dispatch of each chunk's ids (GPU; the ids were validated already unless ``validate``)."""
+    if validate and bounds:
+        _validate_gpu(ids.device.id, ids, E, s)
+    return tuple(build_dispatch(ids[t0:t1], E, validate=False, stream=s) for t0, t1 in bounds)
+
+
+def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkpoint, dispatch, out, stream,
+                  chunking):
+    """:func:`blazecore.moe.moe_forward` on validated CuPy views on the current device: y, the dispatch (or one
+    per chunk), then :func:`forward`. Returns (y as the allocator gave it, :class:`MoESaved`)."""
+    dev = x.device.id
+    s = _array.current_stream(stream)
+    with s:  # allocations (and their poison fills in tests) belong to the stream the kernels use
+        y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, True, "out")
+        check_gpu_device({"out": y.view}, dev)
+        if _array.dry() is None:  # the model sizes any shape; moe_forward refuses those the kernels cannot run
+            check_shapes(x, w13, w2, activation)  # the kernels' own limits (row alignment)
+        bounds = chunk_bounds(sz.L, *chunking)
+        if dispatch is not None:
+            check_dispatch(dispatch, sz.L, sz.K, sz.E, True, dev)
+        if len(bounds) > 1:
+            chunk_disp = chunk_dispatches(ids, sz.E, bounds, s, validate=dispatch is None)
+        else:
+            if dispatch is None:
+                dispatch = build_dispatch(ids, sz.E, stream=s)
+            chunk_disp = (dispatch,)
+        if sz.L == 0:
+            # nothing to compute; a zero-sized grid would be a launch error
+            ab = _array.empty_gpu((0, sz.R), sz.dtype).user if checkpoint == "ab" else None
+            extra = {}
+        else:
+            chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
+            ab, extra = forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2, y.view, s)
+    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
+                     chunks=chunking[0], block_tokens=chunking[1],
+                     chunk_dispatches=chunk_disp if len(bounds) > 1 else ())
+    return y.user, saved
+
+
+def layer_backward(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
+    """:func:`blazecore.moe.moe_backward` on a validated dy on the current device: the gradient buffers, then
+    :func:`backward` over the forward's chunks."""
+    s = _array.current_stream(stream)
+    with s:
+        outs = grad_outs(saved, True, out_dx, out_dw13, out_dw2, out_dgates)
+        dx, dw13, dw2, dgates, db13, db2 = outs
+        if int(saved.x.shape[0]) == 0:
+            # no slot: weight gradients are zero, dx and dgates are empty
+            for o in (dw13, dw2, db13, db2):
+                if o is not None:
+                    o.view.fill(0)
+        else:
+            reuse = not retain and saved.ab is not None
+            bounds = chunk_bounds(int(saved.x.shape[0]), saved.chunks, saved.block_tokens)
+            disps = saved.chunk_dispatches
+            if len(bounds) == 1 and saved.dispatch is not None:
+                disps = (saved.dispatch,)
+            if len(disps) != len(bounds):  # e.g. a MoESaved rebuilt by an adapter from the full dispatch
+                disps = chunk_dispatches(saved.expert_ids, int(saved.w13.shape[0]), bounds, s, validate=False)
+            chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, disps, strict=True)]
+            backward(dy, saved, chunk_list, saved.block_tokens, dx.view, dw13.view, dw2.view, dgates.view,
+                     None if db13 is None else db13.view, None if db2 is None else db2.view, s, reuse_saved=reuse)
+            saved.consumed = reuse
+    return MoEGrads(*(user(o) for o in outs))

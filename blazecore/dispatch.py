@@ -216,6 +216,8 @@ _smem_limit: dict = {}
 
 
 def _device_smem_limit(dev: int) -> int:
+    if _array.dry() is not None:
+        return 1 << 30  # a dry run models memory, not a device's shared-memory limit
     lim = _smem_limit.get(dev)
     if lim is None:
         import cupy
@@ -227,6 +229,8 @@ def _device_smem_limit(dev: int) -> int:
 
 def _function(dev: int, name: str, smem: int):
     """The cached Function for ``name`` on device ``dev``, opted in to ``smem`` dynamic bytes."""
+    if _array.dry() is not None:
+        return _array.no_launch
     entry = _fn_cache.get((dev, name))
     if entry is None:
         entry = [_compile.get_function(_FILE, name, module_names=_KERNEL_NAMES), _DEFAULT_SMEM]
@@ -363,6 +367,8 @@ def _intake(expert_ids, num_experts):
     if dt not in _ID_TYPES:
         raise TypeError(f"expert_ids: dtype {dt.name} not supported (expected int32 or int64)")
     _validate.check_ndim(ids, "expert_ids", 2, "(num_tokens, top_k) expert ids")
+    if isinstance(num_experts, (bool, np.bool_)):
+        raise TypeError(f"num_experts must be an integer, got bool ({num_experts})")
     try:
         num_experts = operator.index(num_experts)
     except TypeError:
@@ -377,6 +383,8 @@ def _validate_gpu(dev: int, ids, num_experts: int, stream) -> None:
     num_tokens, top_k = ids.shape
     buf = _array.empty_gpu((check_blocks(num_tokens, top_k),), np.int32).view
     _launch_check(dev, ids, num_experts, buf, stream)
+    if _array.dry() is not None:
+        return  # nothing ran, nothing to read
     first = int(buf.get(stream=stream).min())  # the one device read of validate=True (synchronises)
     if first != 2**31 - 1:
         t, k = divmod(first, top_k)
@@ -386,12 +394,14 @@ def _validate_gpu(dev: int, ids, num_experts: int, stream) -> None:
 def _build_gpu(ids, num_experts: int, num_tokens: int, top_k: int, stream, validate: bool,
                tile: tuple[int, int] | None = None, mode: int | None = None) -> Dispatch:
     """The GPU op after intake; ``tile`` and ``mode`` force a plan (tests cover every one)."""
-    import cupy
-
+    dry = _array.dry() is not None
     dev = ids.device.id
-    if dev != cupy.cuda.runtime.getDevice():
-        raise ValueError(f"expert_ids is on GPU {dev} but the current device is {cupy.cuda.runtime.getDevice()} "
-                         f"(use `with cupy.cuda.Device({dev}):`)")
+    if not dry:
+        import cupy
+
+        if dev != cupy.cuda.runtime.getDevice():
+            raise ValueError(f"expert_ids is on GPU {dev} but the current device is {cupy.cuda.runtime.getDevice()} "
+                             f"(use `with cupy.cuda.Device({dev}):`)")
     n = num_tokens * top_k
     p = _cached_plan(n, num_experts, tile, mode) if n else None
     if p is not None:
@@ -403,7 +413,8 @@ def _build_gpu(ids, num_experts: int, num_tokens: int, top_k: int, stream, valid
     slot_k = _array.empty_gpu((n,), np.int32).view
     pair_slot = _array.empty_gpu((num_tokens, top_k), np.int32).view
     if p is None:
-        cupy.cuda.runtime.memsetAsync(offsets.data.ptr, 0, 4 * (num_experts + 1), stream.ptr)
+        if not dry:
+            cupy.cuda.runtime.memsetAsync(offsets.data.ptr, 0, 4 * (num_experts + 1), stream.ptr)
     else:
         workspace = None
         if p.mode != MODE_SINGLE_TILE:

@@ -20,34 +20,29 @@ hcur from them; "none" keeps nothing more and the backward recomputes the first 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple
-
 import numpy as np
 
-from . import _array, _validate
+from . import _array, _moe_gpu, _validate
+from ._moe_common import (
+    _GATED,  # noqa: F401  (kept importable from here)
+    ACTIVATIONS,
+    BLOCK_TOKENS,
+    CHECKPOINTS,
+    MoEGrads,
+    MoESaved,
+    activation_info,
+    chunk_bounds,
+)
+from ._moe_common import Sizes as _Sizes
+from ._moe_common import check_chunking as _check_chunking
+from ._moe_common import check_dispatch as _check_dispatch
+from ._moe_common import check_gpu_device as _check_gpu_device  # noqa: F401  (kept importable from here)
+from ._moe_common import grad_outs as _grad_outs
+from ._moe_common import user as _user
 from .dispatch import Dispatch, build_dispatch
+from .memory import plan_chunks
 
-# name -> gated (the first GEMM yields [a | b], 2h rows) or not (h rows)
-_GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False, "swiglu_oai": True}
-ACTIVATIONS = tuple(_GATED)
-CHECKPOINTS = ("ab", "none")
-# Token-block size of the weight-gradient reductions (see chunk_bounds): chunks start on these boundaries.
-BLOCK_TOKENS = 16384
 _FLOAT_TYPES = (np.float32, np.float16, _array.BF16)
-
-
-def activation_info(name: str) -> bool:
-    """Whether activation ``name`` is gated (hcur = act(a) * b from 2h first-GEMM rows).
-
-    Names: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b, "swiglu_oai" gpt-oss's clamped SwiGLU
-    a' sigmoid(1.702 a') (b' + 1) with a' = min(a, 7), b' = clip(b, -7, 7) (gated); "gelu" gelu_tanh(z),
-    "silu" silu(z), "relu2" max(z, 0)**2 (non-gated). Raises ValueError for any other name.
-    """
-    try:
-        return _GATED[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown activation {name!r} (expected one of {', '.join(ACTIVATIONS)})") from None
 
 
 def moe_flops(L: int, d: int, h: int, K: int, activation: str = "swiglu") -> int:
@@ -64,103 +59,9 @@ def moe_flops(L: int, d: int, h: int, K: int, activation: str = "swiglu") -> int
     return per_slot * int(L) * int(K) * int(d) * int(h)
 
 
-def chunk_bounds(L: int, chunks: int, block_tokens: int = BLOCK_TOKENS) -> list[tuple[int, int]]:
-    """The token ranges [t0, t1) that ``chunks`` chunks of L tokens run as (at most ``chunks`` of them).
-
-    Chunks are equal runs of tokens except the last, each a multiple of ``block_tokens`` long: the weight-
-    gradient reductions restart their tiles at every multiple of ``block_tokens`` (chunked or not), so a chunk
-    boundary never splits a tile and chunked gradients are bit-identical to unchunked ones. Hence fewer chunks
-    than asked when L / chunks < block_tokens (L <= block_tokens: one chunk).
-    """
-    L, chunks, block_tokens = int(L), int(chunks), int(block_tokens)
-    if chunks <= 1 or L <= block_tokens:
-        return [(0, L)]
-    per = -(-L // chunks)
-    per = -(-per // block_tokens) * block_tokens
-    return [(t0, min(t0 + per, L)) for t0 in range(0, L, per)]
-
-
-def _check_chunking(chunks, block_tokens) -> None:
-    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-
-
-class MoEGrads(NamedTuple):
-    """Gradients of the layer. dx (L, d) in x's dtype; dw13 (E, R, d), dw2 (E, d, h), db13 (E, R),
-    db2 (E, d) in the weights' dtype (db13 / db2 are None without the bias); dgates (L, K) float32."""
-
-    dx: Any
-    dw13: Any
-    dw2: Any
-    dgates: Any
-    db13: Any
-    db2: Any
-
-
-@dataclass(eq=False)
-class MoESaved:
-    """What :func:`moe_forward` keeps for :func:`moe_backward`.
-
-    The arrays are the intake views of the forward's inputs (cupy on the GPU, numpy on the CPU):
-    they must not be modified before the backward. ``ab`` holds the pre-activations, (L*K, R) in x's
-    dtype, in expert-slot order, under policy "ab" (None under "none"). ``extra`` is private to the
-    GPU path (workspaces or tensors its kernels keep between forward and backward). ``chunks`` and
-    ``block_tokens`` are the forward's token chunking (the backward runs the same chunks); with several
-    chunks ``ab``'s rows [t0*K, t1*K) hold chunk [t0, t1)'s pre-activations in its own expert-slot order,
-    ``chunk_dispatches`` the dispatch of each chunk, and ``dispatch`` the caller's dispatch (or None).
-    """
-
-    x: Any
-    w13: Any
-    w2: Any
-    gates: Any
-    expert_ids: Any
-    dispatch: Dispatch | None
-    activation: str
-    checkpoint: str
-    b13: Any = None
-    b2: Any = None
-    ab: Any = None
-    extra: dict = field(default_factory=dict)
-    consumed: bool = False  # a backward without retain=True used ``ab`` as scratch
-    chunks: int = 1
-    block_tokens: int = BLOCK_TOKENS
-    chunk_dispatches: tuple = ()
-
-    def held_bytes(self) -> int:
-        """Bytes this record keeps alive beyond the layer's inputs: the dispatch, ``ab`` and ``extra``.
-
-        An array reachable twice (``ab`` and a view of it in ``extra``) counts once.
-        """
-        held = [getattr(dp, f.name) for dp in (self.dispatch, *self.chunk_dispatches) if dp is not None
-                for f in fields(dp)]
-        held += [self.ab, *self.extra.values()]
-        seen = {}
-        for a in held:
-            if a is None or not (hasattr(a, "__dlpack__") or isinstance(a, np.ndarray)):
-                continue
-            v = _array.asarray(a)
-            ptr = v.data.ptr if _array.is_gpu(v) else v.ctypes.data
-            seen[(ptr, int(v.nbytes))] = int(v.nbytes)
-        return sum(seen.values())
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation (host side only: shapes, dtypes, devices; no device reads)
 # ---------------------------------------------------------------------------------------------
-
-
-class _Sizes(NamedTuple):
-    L: int
-    d: int
-    h: int
-    R: int
-    E: int
-    K: int
-    dtype: np.dtype
-    gated: bool
 
 
 def _check_sizes(L: int, d: int, h: int, R: int, E: int, K: int) -> None:
@@ -178,31 +79,6 @@ def _check_sizes(L: int, d: int, h: int, R: int, E: int, K: int) -> None:
     _validate.check_int32_range(L * K, f"L * K ({L} * {K}), the number of slots")
     _validate.check_int32_range(R, "w13 rows")
     _validate.check_int32_range(d, "d")
-
-
-def _check_gpu_device(arrays: dict, dev: int) -> None:
-    for name, a in arrays.items():
-        if a is not None and _array.is_gpu(a) and a.device.id != dev:
-            raise ValueError(f"{name} is on GPU {a.device.id}, the inputs on GPU {dev}")
-
-
-def _check_dispatch(disp, L: int, K: int, E: int, gpu: bool, dev: int | None) -> None:
-    if not isinstance(disp, Dispatch):
-        raise TypeError(f"dispatch: expected a blazecore.dispatch.Dispatch, got {type(disp).__name__}")
-    for name, want in (("num_tokens", L), ("top_k", K), ("num_experts", E)):
-        got = getattr(disp, name)
-        if got != want:
-            raise ValueError(f"dispatch.{name} = {got} does not match the inputs ({want})")
-    for name, shape in (("expert_offsets", (E + 1,)), ("slot_token", (L * K,)), ("slot_k", (L * K,)),
-                        ("pair_slot", (L, K))):
-        a = getattr(disp, name)
-        what = f"dispatch.{name}"
-        if _array.is_gpu(a) != gpu:
-            raise ValueError(f"{what} is on the {'GPU' if _array.is_gpu(a) else 'CPU'}, "
-                             f"the inputs on the {'GPU' if gpu else 'CPU'}")
-        _validate.check_array(a, what, (np.int32,), shape)
-        if gpu and a.device.id != dev:
-            raise ValueError(f"{what} is on GPU {a.device.id}, the inputs on GPU {dev}")
 
 
 def _check_dispatch_matches_ids_cpu(disp: Dispatch, ids: np.ndarray, E: int) -> None:
@@ -359,8 +235,6 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     if isinstance(chunks, str) and chunks == "auto":
         _check_chunking(1, block_tokens)
         if gpu:
-            from .memory import plan_chunks
-
             chunks = plan_chunks(sz.L, sz.d, sz.h, sz.E, sz.K, dtype=sz.dtype, activation=activation,
                                  checkpoint=checkpoint, budget=memory_budget, bias=(b13 is not None, b2 is not None),
                                  block_tokens=block_tokens, device=x.device.id).chunks
@@ -419,25 +293,6 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
     return _backward_cpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates)
 
 
-def _grad_outs(saved: MoESaved, gpu: bool, out_dx, out_dw13, out_dw2, out_dgates):
-    x, w13, w2, gates = saved.x, saved.w13, saved.w2, saved.gates
-    dtype = _array.logical_dtype(x)
-    dx = _array.out_or_empty(out_dx, x.shape, dtype, gpu, "out_dx")
-    dw13 = _array.out_or_empty(out_dw13, w13.shape, dtype, gpu, "out_dw13")
-    dw2 = _array.out_or_empty(out_dw2, w2.shape, dtype, gpu, "out_dw2")
-    dgates = _array.out_or_empty(out_dgates, gates.shape, np.float32, gpu, "out_dgates")
-    db13 = None if saved.b13 is None else _array.out_or_empty(None, saved.b13.shape, dtype, gpu, "db13")
-    db2 = None if saved.b2 is None else _array.out_or_empty(None, saved.b2.shape, dtype, gpu, "db2")
-    if gpu:
-        _check_gpu_device({"out_dx": dx.view, "out_dw13": dw13.view, "out_dw2": dw2.view,
-                           "out_dgates": dgates.view}, x.device.id)
-    return dx, dw13, dw2, dgates, db13, db2
-
-
-def _user(o):
-    return None if o is None else o.user
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: the float64 reference, cast to the input dtypes
 # ---------------------------------------------------------------------------------------------
@@ -488,82 +343,16 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def _chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
-    """The dispatch of each chunk's ids (GPU; the ids were validated already unless ``validate``)."""
-    if validate and bounds:
-        from .dispatch import _validate_gpu
-
-        _validate_gpu(ids.device.id, ids, E, s)
-    return tuple(build_dispatch(ids[t0:t1], E, validate=False, stream=s) for t0, t1 in bounds)
-
-
 def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream,
                  chunking):
-    import cupy
-
-    dev = x.device.id
-    with cupy.cuda.Device(dev):
-        s = _array.current_stream(stream)
-        with s:  # allocations (and their poison fills in tests) belong to the stream the kernels use
-            y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, True, "out")
-            _check_gpu_device({"out": y.view}, dev)
-            from . import _moe_gpu
-
-            _moe_gpu.check_shapes(x, w13, w2, activation)  # the kernels' own limits (row alignment)
-            bounds = chunk_bounds(sz.L, *chunking)
-            if dispatch is not None:
-                _check_dispatch(dispatch, sz.L, sz.K, sz.E, True, dev)
-            if len(bounds) > 1:
-                chunk_disp = _chunk_dispatches(ids, sz.E, bounds, s, validate=dispatch is None)
-            else:
-                if dispatch is None:
-                    dispatch = build_dispatch(ids, sz.E, stream=s)
-                chunk_disp = (dispatch,)
-            if sz.L == 0:
-                # nothing to compute; a zero-sized grid would be a launch error
-                ab = _array.empty_gpu((0, sz.R), sz.dtype).user if checkpoint == "ab" else None
-                extra = {}
-            else:
-                chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
-                ab, extra = _moe_gpu.forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2,
-                                             y.view, s)
-    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
-                     chunks=chunking[0], block_tokens=chunking[1],
-                     chunk_dispatches=chunk_disp if len(bounds) > 1 else ())
-    return y.user, saved
+    with _array.device_scope(x.device.id):
+        return _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out,
+                                      stream, chunking)
 
 
 def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
-    import cupy
-
-    dev = saved.x.device.id
-    with cupy.cuda.Device(dev):
-        s = _array.current_stream(stream)
-        with s:
-            outs = _grad_outs(saved, True, out_dx, out_dw13, out_dw2, out_dgates)
-            dx, dw13, dw2, dgates, db13, db2 = outs
-            if int(saved.x.shape[0]) == 0:
-                # no slot: weight gradients are zero, dx and dgates are empty
-                for o in (dw13, dw2, db13, db2):
-                    if o is not None:
-                        o.view.fill(0)
-            else:
-                from . import _moe_gpu
-
-                reuse = not retain and saved.ab is not None
-                bounds = chunk_bounds(int(saved.x.shape[0]), saved.chunks, saved.block_tokens)
-                disps = saved.chunk_dispatches
-                if len(bounds) == 1 and saved.dispatch is not None:
-                    disps = (saved.dispatch,)
-                if len(disps) != len(bounds):  # e.g. a MoESaved rebuilt by an adapter from the full dispatch
-                    disps = _chunk_dispatches(saved.expert_ids, int(saved.w13.shape[0]), bounds, s, validate=False)
-                chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, disps, strict=True)]
-                _moe_gpu.backward(dy, saved, chunk_list, saved.block_tokens, dx.view, dw13.view, dw2.view,
-                                  dgates.view,
-                                  None if db13 is None else db13.view, None if db2 is None else db2.view, s,
-                                  reuse_saved=reuse)
-                saved.consumed = reuse
-    return MoEGrads(*(_user(o) for o in outs))
+    with _array.device_scope(saved.x.device.id):
+        return _moe_gpu.layer_backward(dy, saved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain)
 
 
 __all__ = [
