@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from . import _array, _compile
+from . import _array, _compile, _tma
 from ._array import BF16, logical_dtype
 from ._moe_common import MoEGrads, MoESaved, Sizes, check_dispatch, check_gpu_device, chunk_bounds, grad_outs, user
 from .dispatch import _validate_gpu, build_dispatch
@@ -40,6 +40,11 @@ NTHREADS = 256
 MODE_M, MODE_K = 0, 1
 EPI_ACT, EPI_ROWSCALE, EPI_DHCUR, EPI_WGRAD = 0, 1, 2, 3
 _NULL = np.uint64(0)
+# How the sm_90a M-grouped kernels load the weight operand B: "tma" (cp.async.bulk.tensor with a tensor map, one
+# issuing thread per stage) or "cp_async" (16-byte copies by the 128 producer threads). The gathered A rows always
+# come by cp.async. BLAZECORE_SM90_B_LOAD overrides the default for the layer; _Kernels takes it as an argument.
+B_LOADS = ("tma", "cp_async")
+B_LOAD = "tma"
 
 
 def _gemm_name(ct, mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather):
@@ -66,9 +71,9 @@ def _module_names(ct, act):
     return names
 
 
-def _gemm90_name(ct, b_kmajor, epi, act, a_gather):
+def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}>"
+    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}>"
 
 
 def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
@@ -76,22 +81,24 @@ def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
     return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}>"
 
 
-def _name90(ct, which, v, carry_in=False):
+def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
-    the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart)."""
+    the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
+    ``b_load``: how an M-grouped kernel loads B (one of B_LOADS)."""
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
     if which == "dw2":
         # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
         # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
         return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in)
     if mode == MODE_M:
-        return _gemm90_name(ct, b_kmajor, epi, act, a_gather)
+        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=b_load == "tma")
     return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in)
 
 
 def _module_names90(ct, act):
     variants = _variants(ct, act)
     names = [_name90(ct, k, v) for k, v in variants.items()]
+    names += [_name90(ct, k, variants[k], b_load="tma") for k in variants if variants[k][0] == MODE_M]
     return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
 
 
@@ -143,12 +150,16 @@ def _smem_bytes(itemsize, a_kmajor, b_kmajor):
 class _Kernels:
     """The compiled functions for one (dtype, activation)."""
 
-    def __init__(self, dtype, activation):
+    def __init__(self, dtype, activation, b_load=None):
         self.ct = _CTYPES[np.dtype(dtype)]
         self.act = _ACT_IDS[activation]
         self.itemsize = np.dtype(dtype).itemsize
         self.names = _module_names(self.ct, self.act)
         self.variants = _variants(self.ct, self.act)
+        self.gated = activation in _GATED
+        self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
+        if self.b_load not in B_LOADS:
+            raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
         # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
         # follows its own arch only: the memory model is a function of its arguments)
         self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and (
@@ -163,8 +174,8 @@ class _Kernels:
         if self.sm90:
             names = _module_names90(self.ct, self.act)
             smem = _smem90(staging=which in _M_GROUPED)
-            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in), module_names=names,
-                                       max_dynamic_smem=smem)
+            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, self.b_load),
+                                       module_names=names, max_dynamic_smem=smem)
             return fn, smem, NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
         return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
@@ -178,14 +189,31 @@ def _ptr(a):
     return _NULL if a is None else a
 
 
+def _b_map(kern, which, B, ldb, b_estride, E, N, Kd):
+    """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
+    by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2); N-major (E, Kd, N): 3-D
+    (N, Kd, E), box (64, 64). Encoded on the host (no device work) and cached per pointer and shape."""
+    if kern.b_load != "tma" or getattr(_array, "dry", lambda: None)() is not None:
+        return _tma.null_map()
+    dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
+    es = kern.itemsize
+    if kern.variants[which][2]:  # K-major
+        halves = 2 if which == "gemm1" and kern.gated else 1
+        return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, N * ldb * es, b_estride * es),
+                              (64, BN90 // 2, 1, 1))
+    return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
+
+
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
                  carry_seen=None):
     # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
     fn, smem, threads, _ = kern.gemm(which, carry_in=carry is not None and bool(flags & 1))
+    extra = ()
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
+        extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd),)  # the kernel's tmap_b
     fn(
         (int(grid),), (threads,),
         (
@@ -194,7 +222,7 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
             np.int32(E), np.int32(M), np.int32(N), np.int32(Kd),
             out, np.int64(ldo), np.int64(o_estride), _ptr(out2), np.int64(ldo2), _ptr(aux), np.int64(ldaux),
             _ptr(bias), np.int64(bias_estride), _ptr(gates), np.int32(topk), _ptr(part), np.int32(part_ld),
-            np.int32(flags), _ptr(kblocks), np.int32(num_kblocks), _ptr(carry), _ptr(carry_seen),
+            np.int32(flags), _ptr(kblocks), np.int32(num_kblocks), _ptr(carry), _ptr(carry_seen), *extra,
         ),
         shared_mem=smem, stream=stream,
     )

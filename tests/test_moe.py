@@ -404,6 +404,34 @@ def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
             assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), f"{checkpoint} {key}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES
+                                  if c.name in ("L63", "odd", "empty_experts", "one_expert", "tiles", "wide_d",
+                                                "wide_h")])
+def test_sm90_b_load_paths_bit_identical_gpu(case, activation, monkeypatch):
+    """The sm_90a M-grouped kernels load the weights by TMA or by cp.async (_moe_gpu.B_LOADS): the shared-memory
+    tiles are the same, so y and every gradient have the same bits, and match the reference (bf16, both policies,
+    bias on). On other GPUs both names run the same kernels."""
+    from blazecore import _moe_gpu
+
+    monkeypatch.delenv("BLAZECORE_SM90_B_LOAD", raising=False)
+    inp = _inputs(case, "bf16", activation, True)
+    dev = _on(inp, "gpu")
+    exp = _reference(inp, activation)
+    for checkpoint in ("ab", "none"):
+        runs = {}
+        for b_load in _moe_gpu.B_LOADS:
+            monkeypatch.setattr(_moe_gpu, "B_LOAD", b_load)
+            y, _, grads = _run(dev, activation, checkpoint)
+            _check_against(y, grads, inp, exp, TOL[BF16], f"{b_load} {checkpoint} ")
+            runs[b_load] = (y, grads)
+        (y0, g0), (y1, g1) = runs.values()
+        assert _bytes(y0) == _bytes(y1), f"{checkpoint} y"
+        for key in GRAD_KEYS:
+            assert _bytes(getattr(g0, key)) == _bytes(getattr(g1, key)), f"{checkpoint} {key}"
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_random_shapes(backend):
     """Hypothesis draws shapes and routings (d and h multiples of 8: 16-byte rows in every dtype)."""

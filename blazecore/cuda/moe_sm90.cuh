@@ -44,6 +44,7 @@
 // EPI_WGRAD) on the same pipeline, with both operands stored MN-major; see its section at the end.
 #pragma once
 #include "moe_common.cuh"
+#include "sm90_tma.cuh"
 
 namespace blz {
 
@@ -414,7 +415,13 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 // Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
 // BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
 // sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
-template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256>
+// B_TMA: the B tile comes by TMA (tmap_b, see below) instead of cp.async; the gathered A rows stay on cp.async.
+// tmap_b (ignored unless B_TMA), encoded by blazecore/_tma.py with 128-byte swizzle, zero fill out of bounds:
+//   K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2, 1, 1): two boxes per stage, the gate and up
+//     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
+//     128-byte rows, which is the layout the cp.async path writes.
+//   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
+template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -431,7 +438,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     float* __restrict__ part, int part_ld,
     int flags,
     const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
-    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
+    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
+    const __grid_constant__ sm90::TmaMap tmap_b) {                   // B_TMA: the B operand's tensor map
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
@@ -441,6 +449,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   constexpr int STAGES = C::STAGES;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  static_assert(!(B_TMA && GATED && !B_KMAJOR), "TMA B: gated tiles need K-major weights");
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
@@ -469,7 +478,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 128);                       // one arrival per producer thread
+      // one arrival per producer thread (cp.async), + the B_TMA issuing thread's expect_tx arrival
+      sm90::mbar_init(full0 + 8 * s, 128 + (B_TMA ? 1 : 0));
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
     sm90::mbar_init(epi_done, 4 * sm90::CONSUMER_WGS);
@@ -488,6 +498,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     constexpr int CPR = BN / EPC, RPP = 128 / CPR;
     const int cn = tid % CPR, rb = tid / CPR;
     const unsigned b_atom = static_cast<unsigned>((cn >> 3) * (BK * ROW_BYTES)), b_j = cn & 7;
+    if constexpr (B_TMA) {
+      if (tid == 0) sm90::tma_prefetch_map(&tmap_b);
+    }
     int stage = 0, it = 0;  // ring position and k-tile count over all of this CTA's tiles
     unsigned phase = 0;
     int li = 0;
@@ -520,7 +533,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       // B N-major: b_off0: element offset of (k-row rb, this chunk's global column); b_ok: column in range.
       unsigned b_ok = 0;
       long long b_off0 = 0, b_off1 = 0;
-      if constexpr (B_KMAJOR) {
+      if constexpr (B_TMA) {
+        // the tensor map holds the addressing and the bounds
+      } else if constexpr (B_KMAJOR) {
         constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
@@ -571,7 +586,22 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? A + (long long)a_row[i] * lda + kc : A,
                              ok ? 16 : 0);
         }
-        if constexpr (B_KMAJOR) {
+        if constexpr (B_TMA) {
+          // one thread issues the stage's boxes after raising the full barrier's transaction count by B_BYTES
+          if (tid == 0) {
+            const unsigned bar = full0 + 8 * stage;
+            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES);
+            if constexpr (B_KMAJOR) {
+              constexpr int HALF = BN / 2;  // rows per box
+              sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
+              sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
+            } else {
+#pragma unroll
+              for (int a = 0; a < BN / 64; ++a)
+                sm90::tma_load_3d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, n0 + 64 * a, k0, e);
+            }
+          }
+        } else if constexpr (B_KMAJOR) {
           constexpr int ROWS = GATED ? BN / 32 : BN / 16;
           const long long step = 16 * ldb;
 #pragma unroll
@@ -602,6 +632,11 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         }
       }
     }
+    if (tid == 0) {
+      // end of the CTA's tiles: a descriptor with e = ~0 (the slot is free, as for a tile li)
+      sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(~0u, 0u, 0u, 0u));
+      sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+    }
     sm90::producer_drain<STAGES>(full0, it);
   } else {
     // ================================ consumer warpgroups ================================
@@ -622,10 +657,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 
     int stage = 0;
     unsigned phase = 0;
-    int li = 0;
-    for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
+    for (int li = 0;; ++li) {  // the producer's tiles, in its order, until its end descriptor
       sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
       const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
+      if (ti.x == ~0u) break;
       const int e = static_cast<int>(ti.x), m0 = static_cast<int>(ti.y), m_end = static_cast<int>(ti.z);
       const int tn = static_cast<int>(ti.w);
       const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
@@ -795,6 +830,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           const int s = srow0 + sm90::acc_row(2 * h, t);
           if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
         }
+        // B_TMA: the producer refills the ring through the async proxy; order this thread's generic accesses of
+        // the staging (cp.async, st.shared, ld.shared) before those writes
+        if constexpr (B_TMA) sm90::fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(epi_done);  // this warp is done with the ring: the producer may refill it
       }

@@ -1,0 +1,53 @@
+// Tensor memory accelerator (TMA) wrappers for the sm_90a kernels: tensor-map tiles copied from global to shared
+// memory by cp.async.bulk.tensor, completing on an mbarrier through its transaction count.
+//
+// The tensor map (CUtensorMap, 128 bytes, 64-byte aligned) is encoded on the host by the driver
+// (cuTensorMapEncodeTiled, see blazecore/_tma.py) and passed by value as a __grid_constant__ kernel parameter, so
+// the copy engine reads it from parameter space: no global-memory copy of the map, hence no tensormap proxy fence
+// (fence.proxy.tensormap) and nothing to upload before a launch (a CUDA graph captures the map with the launch).
+// The instructions take the map's generic address (&param).
+//
+// Completion: the issuing thread arrives on the stage's mbarrier with expect_tx(bytes of every box it issues for
+// that stage) and then issues the boxes; each box's completion subtracts its bytes (a box partly or wholly out of
+// the tensor's bounds is zero-filled and still counts its full size). The phase completes when every expected
+// arrival came and the transaction count is back at zero, so one barrier can also count cp.async arrivals.
+#pragma once
+
+namespace blz {
+namespace sm90 {
+
+// Same size and alignment as the driver's CUtensorMap; opaque here.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+
+// Pull the map into the copy engine's descriptor cache ahead of the first copy (once per CTA).
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// Arrive on the barrier and raise its pending transaction count by `bytes` (this phase).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One box of a 3-D / 4-D tiled tensor map at element coordinates (c0 innermost, ...) into shared memory at dst
+// (1024-byte aligned for the 128-byte swizzle); completes `bytes = box size` on the mbarrier bar.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, "
+      "%6}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+}  // namespace sm90
+}  // namespace blz
