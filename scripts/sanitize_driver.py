@@ -38,6 +38,7 @@ from blazecore import dispatch as D
 from blazecore import router as rt
 from blazecore.reference import moe as ref_moe
 from blazecore.reference import router as ref_rt
+from blazecore.testing import make_routing
 
 CASES = {}
 
@@ -74,12 +75,8 @@ def expect(got, want, tol, what):
 
 
 def routing(rng, L, E, K, skew=0.0, empty=0):
-    """(L, K) int32 ids, K distinct per row; experts >= E - empty get no token; weights (e+1)^-skew."""
-    used = E - empty
-    logw = -skew * np.log1p(np.arange(used))
-    keys = logw[None, :] + rng.gumbel(size=(L, used))
-    ids = np.argpartition(-keys, K - 1, axis=1)[:, :K] if L else np.zeros((0, K), np.int64)
-    return np.ascontiguousarray(rng.permuted(ids, axis=1).astype(np.int32)) if L else ids.astype(np.int32)
+    """(L, K) int32 ids (blazecore.testing.make_routing): some experts empty, skewed, or uniform."""
+    return make_routing(rng, L, E, K, "empty_experts" if empty else ("skewed" if skew else "uniform"))
 
 
 @case
