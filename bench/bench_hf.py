@@ -30,7 +30,7 @@ Eager is reported, not gated.
 
 Results: bench/results/hf_<gpu-slug>.json (rewritten after every implementation) and a printed table.
 
-Usage (from the repository root, PYTHONPATH=$PWD:$PWD/adapters when not installed):
+Usage (from the repository root, with the project installed: pip install -e .):
     python -m bench.bench_hf                                  # the three families, every implementation
     python -m bench.bench_hf --families olmoe --impls blazecore,grouped_mm --steps 6 --results-dir /tmp/out
     python -m bench.bench_hf --device cpu --families tiny --steps 3   # CPU smoke test of the flow (float32)
@@ -42,7 +42,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 import traceback
 
 try:
@@ -185,34 +184,35 @@ def train(model, init_state, batches, impl, args) -> dict:
     experts_impl = set_implementation(model, impl)
     model.train()
     model.zero_grad(set_to_none=True)
-    opt = make_optimizer(model, args.lr, device)
+    opts = [make_optimizer(model, args.lr, device)]  # a list: emptied at the end to free the optimizer's state
     _free(device)
-    losses, peaks, starts, events, wall = [], [], [], [], []
+    losses, peaks, starts = [], [], []
+    steps = iter(batches)
+
+    def before():
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            starts.append(torch.cuda.memory_allocated())
+
+    def step():
+        batch = next(steps)
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+        losses.append(out.loss.detach())
+        del out
+        if device == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated())  # allocations are counted when they are made
+
     try:
-        for batch in batches:
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                starts.append(torch.cuda.memory_allocated())
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            out = model(input_ids=batch, labels=batch)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(out.loss.detach())
-            del out
-            if device == "cuda":
-                end.record()
-                events.append((start, end))
-                peaks.append(torch.cuda.max_memory_allocated())  # allocations are counted when they are made
-            else:
-                wall.append((time.perf_counter() - t0) * 1e3)
-        _sync(device)
+        # every step is a sample of the shared timer (bench/_common.py); the first --warmup ones are left out below
+        timing = common.time_call(step, warmup=0, repeats=len(batches), setup=before,
+                                  clock="torch" if device == "cuda" else "wall")
     finally:
-        del opt
+        opts.clear()
         model.zero_grad(set_to_none=True)
-    times = [s.elapsed_time(e) for s, e in events] if device == "cuda" else wall
+    times = timing.samples_ms
     timed = times[args.warmup:] or times
     steady = peaks[1:] or peaks
     return {

@@ -23,7 +23,7 @@ ratio fails, 0 otherwise (also when there is no GPU: nothing is measured then).
 
 XLA_PYTHON_CLIENT_PREALLOCATE is set to false before jax is imported: JAX shares the GPU with CuPy's pool.
 
-Usage (from the repository root, PYTHONPATH=$PWD:$PWD/adapters when not installed):
+Usage (from the repository root, with the project installed: pip install -e .):
     python -m bench.bench_jax                                   # olmoe, 8k and 32k tokens, policy "ab"
     python -m bench.bench_jax --tokens 32k --checkpoint both --results-dir /tmp/out
     python -m bench.bench_jax --device cpu --shape tiny=64,32,8,2 --tokens 96   # CPU smoke test of the flow
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -189,25 +188,6 @@ class CoreRun:
         if self.gpu:
             self.stream.synchronize()
 
-    def timed(self):
-        """(wall ms, CUDA-event ms or None) of one call, up to a stream synchronisation."""
-        if not self.gpu:
-            t0 = time.perf_counter()
-            self()
-            return (time.perf_counter() - t0) * 1e3, None
-        import cupy
-
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        self.sync()
-        t0 = time.perf_counter()
-        start.record(self.stream)
-        out = self()
-        end.record(self.stream)
-        self.sync()
-        wall = (time.perf_counter() - t0) * 1e3
-        del out
-        return wall, cupy.cuda.get_elapsed_time(start, end)
-
 
 class JaxRun:
     """jax.jit of build_dispatch + vjp(moe_ffn) applied to dy."""
@@ -231,14 +211,6 @@ class JaxRun:
     def __call__(self):
         a = self.a
         return self.fn(a["x"], a["w13"], a["w2"], a["gates"], a["ids"], a["dy"])
-
-    def timed(self):
-        t0 = time.perf_counter()
-        out = self()
-        self.jax.block_until_ready(out)
-        wall = (time.perf_counter() - t0) * 1e3
-        del out
-        return wall, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,28 +275,33 @@ def compare(core_out: dict, jax_out: dict, device: str) -> dict:
 
 
 def measure(core, jx, args):
-    """Alternating timed calls after warm-up: medians and samples of both, and the ratio."""
-    for _ in range(args.warmup):
-        core.timed()
-        jx.timed()
-    c_wall, c_event, j_wall = [], [], []
-    for _ in range(args.repeats):
-        w, e = core.timed()
-        c_wall.append(w)
-        if e is not None:
-            c_event.append(e)
-        j_wall.append(jx.timed()[0])
-    cm, jm = statistics.median(c_wall), statistics.median(j_wall)
+    """Core and jax calls interleaved after warm-up (bench/_common.py's timer, wall clock up to a device
+    synchronisation): medians, spreads and samples of both, and the ratio; on a GPU also the core's CUDA-event time."""
+
+    def core_call():
+        core()
+        core.sync()
+
+    def jax_call():
+        jx.jax.block_until_ready(jx())
+
+    t = common.time_calls({"core": core_call, "jax": jax_call}, warmup=args.warmup, repeats=args.repeats,
+                          clock="wall")
+    c, j = t["core"], t["jax"]
+    event = (common.time_call(core, warmup=1, repeats=args.repeats, clock="cupy", stream=core.stream)
+             if core.gpu else None)
     return {
-        "core_ms": cm,
-        "jax_ms": jm,
-        "ratio": jm / cm,
-        "core_event_ms": statistics.median(c_event) if c_event else None,
-        "core_min_ms": min(c_wall),
-        "jax_min_ms": min(j_wall),
-        "core_samples_ms": c_wall,
-        "jax_samples_ms": j_wall,
-        "core_event_samples_ms": c_event,
+        "core_ms": c.median_ms,
+        "jax_ms": j.median_ms,
+        "ratio": j.median_ms / c.median_ms,
+        "core_event_ms": event.median_ms if event else None,
+        "core_min_ms": c.min_ms,
+        "jax_min_ms": j.min_ms,
+        "core_spread_ms": c.spread_ms,
+        "jax_spread_ms": j.spread_ms,
+        "core_samples_ms": c.samples_ms,
+        "jax_samples_ms": j.samples_ms,
+        "core_event_samples_ms": event.samples_ms if event else [],
     }
 
 

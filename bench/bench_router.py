@@ -4,10 +4,11 @@ The reference is what a PyTorch router does: scores = softmax(logits.float()) (o
 scores (+ bias), gather, renormalise, and autograd for the backward. Both run on torch's current stream;
 blazecore's outputs are allocated by torch (blazecore.allocator), so peak memory is comparable.
 
-Timing: bench/_common.py's timer, CUDA events around `--iters` calls, median of `--repeats`, after a warm-up.
-Rows (one per shape, mode and method) go to bench/results/route_topk_<gpu>.json, each with the GPU, CUDA and library versions,
-the git commit and the date. GB/s counts the bytes each kernel must move (logits read once, outputs
-written once). A row's speedup is left out (null) when the two methods disagree on the ids or gates.
+Timing: bench/_common.py's timer, CUDA events around `--iters` calls, median of `--repeats`, after a
+warm-up. Rows (one per shape, mode and method) go to bench/results/router_<gpu>.json, each with the GPU, CUDA
+and library versions, the git commit and the date. GB/s counts the bytes each kernel must move (logits read
+once, outputs written once). A row's speedup is left out (null) when the two methods disagree on the ids or
+gates.
 
     python bench/bench_router.py [--quick]
 """
@@ -190,7 +191,7 @@ def main():
                 rows += _bench_case(torch, rt, header, L, E, K, score, renorm, use_bias, stream, args.iters, repeats)
     blazecore.set_allocator(None)
     gpu_tag = re.sub(r"[^A-Za-z0-9]+", "_", dev.name).strip("_").lower()
-    out = args.out or ROOT / "bench" / "results" / f"route_topk_{gpu_tag}.json"
+    out = args.out or ROOT / "bench" / "results" / f"router_{gpu_tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {len(rows)} rows to {out}")

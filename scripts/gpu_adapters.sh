@@ -14,7 +14,7 @@ mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 # JAX shares the GPU with torch's and CuPy's memory pools: no preallocation
-export PYTHONPATH="$PWD:$PWD/adapters${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD:$PWD/adapters:$PWD/app${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
 failed=()
 summary=()

@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_check.sh [tests|sanitize|bench|all] ; logs and JSON go to ${OUT:-/tmp/blazecore-gpu}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD:$PWD/adapters:$PWD/app${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/blazecore-gpu}"; mkdir -p "$OUT"
 what="${1:-all}"
 rc=0

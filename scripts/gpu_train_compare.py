@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the same model with blazecore's MoE layers and with the conventional PyTorch MoE, and compare.
 
-    PYTHONPATH=$PWD:$PWD/adapters python scripts/gpu_train_compare.py OUT_DIR [options] [-- train options]
+    python scripts/gpu_train_compare.py OUT_DIR [options] [-- train options]
 
 Runs ``python -m blazecore train`` twice on the GPU with the same seed (same initial weights, same
 batches), once as is and once with ``--baseline``, each in its own process (so each peak-memory figure
@@ -40,9 +40,10 @@ RUNS = {"blazecore": [], "baseline": ["--baseline"]}
 
 
 def _env() -> dict:
-    """The caller's environment, with this checkout (and its adapters) importable."""
+    """The caller's environment, with this checkout (its library, adapters and application) importable."""
     env = dict(os.environ)
-    parts = [str(ROOT), str(ROOT / "adapters")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [str(ROOT), str(ROOT / "adapters"), str(ROOT / "app")]
+    parts += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
