@@ -175,14 +175,21 @@ def set_allocator(fn: Allocator | None) -> None:
     current device; its contents may be uninitialised.
     """
     global _allocator
-    _allocator = fn
+    _allocator = _check_allocator(fn)
+
+
+def _check_allocator(fn):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"allocator: expected a callable (shape, dtype_name) -> array, or None; got "
+                        f"{type(fn).__name__}")
+    return fn
 
 
 @contextlib.contextmanager
 def allocator(fn: Allocator | None):
     """Context manager form of :func:`set_allocator`."""
     global _allocator
-    prev, _allocator = _allocator, fn
+    prev, _allocator = _allocator, _check_allocator(fn)
     try:
         yield
     finally:

@@ -40,7 +40,7 @@ from ._moe_common import check_gpu_device as _check_gpu_device  # noqa: F401  (k
 from ._moe_common import grad_outs as _grad_outs
 from ._moe_common import user as _user
 from .dispatch import Dispatch, build_dispatch
-from .memory import plan_chunks
+from .memory import _budget_bytes, plan_chunks
 
 _FLOAT_TYPES = (np.float32, np.float16, _array.BF16)
 
@@ -89,6 +89,52 @@ def _check_dispatch_matches_ids_cpu(disp: Dispatch, ids: np.ndarray, E: int) -> 
             raise ValueError(f"dispatch.{name} does not match expert_ids (was the dispatch built from other ids?)")
 
 
+def ffn_shapes(x, w13, w2, gates, expert_ids, *, activation: str, b13=None, b2=None) -> tuple:
+    """The expert FFN's shape rules, on shapes alone: the one check that the core and the adapters share.
+
+    Args:
+        x, w13, w2, gates, expert_ids: the operands' shapes: x (L, d), w13 (E, R, d) with R = 2h for gated
+            activations (h otherwise), w2 (E, d, h), gates and expert_ids (L, K).
+        activation: the activation's name (one of ACTIVATIONS).
+        b13, b2: the optional biases' shapes, (E, R) and (E, d), or None.
+
+    Returns:
+        (L, d, E, R, h, K).
+
+    Raises:
+        ValueError: a wrong rank or size (the message names the operand), K > E, sizes past the int32 limits.
+    """
+    gated = activation_info(activation)
+    for name, shape, ndim, what in (("x", x, 2, "(L, d) tokens"), ("w13", w13, 3, "(E, 2h or h, d) weights"),
+                                    ("w2", w2, 3, "(E, d, h) weights"), ("gates", gates, 2, "(L, K) gates"),
+                                    ("expert_ids", expert_ids, 2, "(L, K) expert ids")):
+        if len(shape) != ndim:
+            raise ValueError(f"{name}: expected {ndim}-D {what}, got shape {tuple(shape)}")
+    L, d = (int(s) for s in x)
+    E, R, d13 = (int(s) for s in w13)
+    E2, d2, h = (int(s) for s in w2)
+    if E2 != E:
+        raise ValueError(f"w2 has {E2} experts, w13 has {E}")
+    if d13 != d:
+        raise ValueError(f"w13: in-features {d13} (w13.shape[2]) do not match x's d = {d}")
+    if d2 != d:
+        raise ValueError(f"w2: out-features {d2} (w2.shape[1]) do not match x's d = {d}")
+    want_r = 2 * h if gated else h
+    if R != want_r:
+        raise ValueError(f"w13 has {R} rows per expert; {activation} ({'gated' if gated else 'non-gated'}) "
+                         f"with w2's h = {h} needs {want_r}")
+    if tuple(expert_ids) != tuple(gates):
+        raise ValueError(f"expert_ids shape {tuple(expert_ids)} differs from gates shape {tuple(gates)}")
+    if int(gates[0]) != L:
+        raise ValueError(f"gates has {int(gates[0])} rows, x has L = {L} tokens")
+    K = int(gates[1])
+    for name, shape, want in (("b13", b13, (E, R)), ("b2", b2, (E, d))):
+        if shape is not None and tuple(shape) != want:
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(shape)}")
+    _check_sizes(L, d, h, R, E, K)
+    return L, d, E, R, h, K
+
+
 def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2):
     gated = activation_info(activation)
     if checkpoint not in CHECKPOINTS:
@@ -119,35 +165,8 @@ def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, 
     if idt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"expert_ids: dtype {idt.name} not supported (expected int32 or int64)")
 
-    # shapes
-    _validate.check_ndim(x, "x", 2, "(L, d) tokens")
-    _validate.check_ndim(w13, "w13", 3, "(E, 2h or h, d) weights")
-    _validate.check_ndim(w2, "w2", 3, "(E, d, h) weights")
-    _validate.check_ndim(gates, "gates", 2, "(L, K) gates")
-    _validate.check_ndim(ids, "expert_ids", 2, "(L, K) expert ids")
-    L, d = (int(s) for s in x.shape)
-    E, R, d13 = (int(s) for s in w13.shape)
-    E2, d2, h = (int(s) for s in w2.shape)
-    if E2 != E:
-        raise ValueError(f"w2 has {E2} experts, w13 has {E}")
-    if d13 != d:
-        raise ValueError(f"w13: in-features {d13} (w13.shape[2]) do not match x's d = {d}")
-    if d2 != d:
-        raise ValueError(f"w2: out-features {d2} (w2.shape[1]) do not match x's d = {d}")
-    want_r = 2 * h if gated else h
-    if R != want_r:
-        raise ValueError(f"w13 has {R} rows per expert; {activation} ({'gated' if gated else 'non-gated'}) "
-                         f"with w2's h = {h} needs {want_r}")
-    if tuple(ids.shape) != tuple(gates.shape):
-        raise ValueError(f"expert_ids shape {tuple(ids.shape)} differs from gates shape {tuple(gates.shape)}")
-    if int(gates.shape[0]) != L:
-        raise ValueError(f"gates has {int(gates.shape[0])} rows, x has L = {L} tokens")
-    K = int(gates.shape[1])
-    if b13 is not None:
-        _validate.check_shape(b13, "b13", (E, R))
-    if b2 is not None:
-        _validate.check_shape(b2, "b2", (E, d))
-    _check_sizes(L, d, h, R, E, K)
+    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, ids.shape, activation=activation,
+                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
 
     for name, a in arrays.items():
         _validate.check_contiguous(a, name)
@@ -214,7 +233,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         block_tokens: token-block size of the weight-gradient reductions (tests use small ones; gradients
             depend on it in the last bits, so runs compared bit for bit must share it).
         memory_budget: for ``chunks="auto"``: bytes, or a fraction in (0, 1] of the device's free memory
-            (default 0.9 of it); the CPU path always runs one chunk for "auto".
+            (default 0.9 of it); the CPU path always runs one chunk for "auto" (and still checks the budget).
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -232,6 +251,8 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
     if check_finite:
         _validate.check_finite_arrays({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2}, stream)
+    if memory_budget is not None:
+        _budget_bytes(memory_budget, None, lambda: 0)  # its type and range, on the CPU as well
     if isinstance(chunks, str) and chunks == "auto":
         _check_chunking(1, block_tokens)
         if gpu:

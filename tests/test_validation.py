@@ -227,6 +227,13 @@ def router(fn, outs=(), **values):
     return build
 
 
+def _torch_layer(*args, **kw):
+    pytest.importorskip("torch")
+    import blazecore_torch
+
+    return blazecore_torch.MoELayer(*args, **kw)
+
+
 def plain(call):
     def build(backend):
         return call, []
@@ -431,6 +438,8 @@ ROWS = [
         fwd(chunks="auto", memory_budget=1.5)),
     Row("moe_forward.memory_budget_type", "moe_forward", 'chunks="auto" with a string memory_budget (GPU)',
         TypeError, "memory budget: expected bytes (int) or a fraction", GPU, fwd(chunks="auto", memory_budget="lots")),
+    Row("moe_forward.memory_budget_negative", "moe_forward", 'chunks="auto" with memory_budget = -5', ValueError,
+        "memory budget must be >= 0 bytes, got -5", BOTH, fwd(chunks="auto", memory_budget=-5)),
     Row("moe_forward.d_unaligned", "moe_forward", "d not a multiple of 8 (GPU kernels)", ValueError,
         "the GPU kernels need d and h to be multiples of 8", GPU,
         fwd(x=lambda i, b: i["x"][:, :12], w13=lambda i, b: i["w13"][:, :, :12], w2=lambda i, b: i["w2"][:, :12],
@@ -493,6 +502,8 @@ ROWS = [
         disp(ids=lambda b: _layer()["expert_ids"][:, 0])),
     Row("build_dispatch.E_not_int", "build_dispatch", "num_experts a float", TypeError,
         "num_experts must be an integer, got float", BOTH, disp(E=4.0)),
+    Row("build_dispatch.E_bool", "build_dispatch", "num_experts True", TypeError,
+        "num_experts must be an integer, got bool (True)", BOTH, disp(E=True)),
     Row("build_dispatch.E_zero", "build_dispatch", "num_experts = 0", ValueError, "num_experts must be >= 1, got 0",
         BOTH, disp(E=0)),
     Row("build_dispatch.K_gt_E", "build_dispatch", "K > num_experts", ValueError,
@@ -674,6 +685,12 @@ ROWS = [
         plain(lambda: blazecore.moe_memory(8, 0, 8, 2, 1))),
     Row("moe_memory.activation", "moe_memory", "unknown activation", ValueError, "unknown activation 'tanh'", CPU,
         plain(lambda: blazecore.moe_memory(8, 8, 8, 2, 1, activation="tanh"))),
+    Row("moe_memory.K_gt_E", "moe_memory", "K > E", ValueError, "top_k K = 3 exceeds the number of experts E = 2",
+        CPU, plain(lambda: blazecore.moe_memory(8, 8, 8, 2, 3))),
+    Row("chunk_bounds.L_negative", "chunk_bounds", "L = -5", ValueError, "L (tokens) must be >= 0, got -5", CPU,
+        plain(lambda: moe.chunk_bounds(-5, 2))),
+    Row("chunk_bounds.chunks_zero", "chunk_bounds", "chunks = 0", ValueError, "chunks must be >= 1, got 0", CPU,
+        plain(lambda: moe.chunk_bounds(8, 0))),
     Row("plan_chunks.budget_fraction", "plan_chunks", "budget fraction 1.5", ValueError,
         "memory budget fraction must be in (0, 1], got 1.5", CPU,
         plain(lambda: blazecore.plan_chunks(8, 8, 8, 2, 1, budget=1.5))),
@@ -685,10 +702,17 @@ ROWS = [
         plain(lambda: blazecore.plan_chunks(8, 8, 8, 2, 1, budget="all"))),
     # ---- helpers
     Row("activation_info.unknown", "activation_info", "an unknown name", ValueError,
-        "unknown activation 'SwiGLU' (expected one of swiglu, geglu, gelu, silu, relu2)", CPU,
+        "unknown activation 'SwiGLU' (expected one of swiglu, geglu, gelu, silu, relu2, swiglu_oai)", CPU,
         plain(lambda: moe.activation_info("SwiGLU"))),
     Row("moe_flops.unknown", "moe_flops", "an unknown activation", ValueError, "unknown activation 'tanh'", CPU,
         plain(lambda: moe.moe_flops(1, 8, 8, 1, "tanh"))),
+    Row("set_allocator.not_callable", "set_allocator", "42", TypeError,
+        "allocator: expected a callable (shape, dtype_name) -> array, or None; got int", CPU,
+        plain(lambda: blazecore.set_allocator(42))),
+    Row("MoELayer.hidden_size_negative", "blazecore_torch.MoELayer", "hidden_size = -16", ValueError,
+        "hidden_size must be an int >= 1, got -16", CPU, plain(lambda: _torch_layer(-16, 32, 4, 2))),
+    Row("MoELayer.num_experts_zero", "blazecore_torch.MoELayer", "num_experts = 0", ValueError,
+        "num_experts must be an int >= 1, got 0", CPU, plain(lambda: _torch_layer(16, 32, 0, 2))),
     Row("asarray.not_an_array", "asarray", "an object without __dlpack__", TypeError,
         "w: expected a DLPack array (numpy, cupy, torch, jax ...), got object", CPU,
         plain(lambda: blazecore.asarray(object(), "w"))),

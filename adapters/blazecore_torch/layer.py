@@ -14,6 +14,7 @@ which are blazecore's w13 and w2 as they are.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -89,6 +90,10 @@ class MoELayer(nn.Module):
                              f"{(*blazecore.CHECKPOINTS, 'auto')})")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
