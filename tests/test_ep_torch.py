@@ -163,3 +163,20 @@ def test_torchtitan_experts_backend():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_bench_ep_cpu_smoke(tmp_path):
+    """bench/bench_ep.py's driver and torchrun worker on the CPU (gloo, 2 processes, tiny shape): it runs and its
+    JSON has the weak-scaling row."""
+    import json
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ep.py"), "--device", "cpu", "--shape", "tiny",
+                           "--tokens-per-gpu", "32", "--gpus", "2", "--warmup", "1", "--repeats", "2",
+                           "--results-dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "ep_cpu.json").read_text())
+    (row,) = doc["rows"]
+    assert row["gpus"] == 2 and row["global_tokens"] == 64 and row["exchange"] and row["tokens_per_s"] > 0

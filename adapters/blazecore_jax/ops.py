@@ -54,6 +54,7 @@ import numpy as np
 
 import blazecore
 from blazecore import _array
+from blazecore.moe import ffn_shapes
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -222,7 +223,7 @@ def _check_ids(ids, name: str, L: int) -> int:
 
 
 def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoint: str):
-    gated = blazecore.activation_info(activation)
+    """dtypes here (JAX's); shapes by the core's rules (``blazecore.moe.ffn_shapes``)."""
     if checkpoint not in blazecore.CHECKPOINTS:
         raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
                          f"{', '.join(blazecore.CHECKPOINTS)})")
@@ -232,31 +233,10 @@ def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoi
             raise TypeError(f"{name}: dtype {_dname(_dtype(a))} differs from x's {_dname(dt)} "
                             "(x, w13, w2, b13 and b2 share one dtype)")
     _check_float(gates, "gates", (np.dtype(np.float32),))
-    _check_ndim(x, "x", 2, "(L, d) tokens")
-    _check_ndim(w13, "w13", 3, "(E, 2h or h, d) weights")
-    _check_ndim(w2, "w2", 3, "(E, d, h) weights")
-    _check_ndim(gates, "gates", 2, "(L, K) gates")
-    L, d = (int(s) for s in x.shape)
-    E, R, d13 = (int(s) for s in w13.shape)
-    E2, d2, h = (int(s) for s in w2.shape)
-    if E2 != E:
-        raise ValueError(f"w2 has {E2} experts, w13 has {E}")
-    if d13 != d or d2 != d:
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match x's d = {d}")
-    if R != (2 * h if gated else h):
-        raise ValueError(f"w13 has {R} rows per expert; {activation} with w2's h = {h} needs "
-                         f"{2 * h if gated else h}")
-    if int(gates.shape[0]) != L:
-        raise ValueError(f"gates has {int(gates.shape[0])} rows, x has L = {L} tokens")
-    K = _check_ids(expert_ids, "expert_ids", L)
-    if int(gates.shape[1]) != K:
-        raise ValueError(f"expert_ids shape {tuple(expert_ids.shape)} differs from gates shape {tuple(gates.shape)}")
-    if not 1 <= K <= E:
-        raise ValueError(f"top_k K = {K} must be in [1, E = {E}]")
-    if b13 is not None and tuple(b13.shape) != (E, R):
-        raise ValueError(f"b13: expected shape {(E, R)}, got {tuple(b13.shape)}")
-    if b2 is not None and tuple(b2.shape) != (E, d):
-        raise ValueError(f"b2: expected shape {(E, d)}, got {tuple(b2.shape)}")
+    if _dtype(expert_ids) not in _INTS:
+        raise TypeError(f"expert_ids: dtype {_dname(_dtype(expert_ids))}, expected int32 or int64")
+    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, expert_ids.shape, activation=activation,
+                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
     return L, d, E, R, h, K, dt
 
 

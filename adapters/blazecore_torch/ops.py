@@ -47,6 +47,7 @@ import torch
 
 import blazecore
 from blazecore import _array
+from blazecore.moe import ffn_shapes
 from blazecore.reference import moe as _ref_moe
 from blazecore.reference import router as _ref_route
 
@@ -335,24 +336,11 @@ def _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L: int, K: int
 
 
 def _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation):
-    """Shape checks of the float64 reference path (the core's own checks cover the other dtypes)."""
+    """Checks of the float64 reference path: devices and dtypes here, shapes by the core's rules
+    (``blazecore.moe.ffn_shapes``; the core's own intake covers the other dtypes)."""
     _check_f64_cpu({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2})
-    gated = blazecore.activation_info(activation)
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or gates.dim() != 2:
-        raise ValueError(f"expected x (L, d), w13 (E, R, d), w2 (E, d, h), gates (L, K); got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}, {tuple(gates.shape)}")
-    L, d = x.shape
-    E, d2, h = w2.shape
-    R = 2 * h if gated else h
-    if tuple(w13.shape) != (E, R, d) or d2 != d:
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x's d = {d} and "
-                         f"{activation} (w13 must be {(E, R, d)})")
-    if tuple(gates.shape) != tuple(expert_ids.shape) or gates.shape[0] != L:
-        raise ValueError(f"gates {tuple(gates.shape)} and expert_ids {tuple(expert_ids.shape)} must both be (L={L}, K)")
-    if b13 is not None and tuple(b13.shape) != (E, R):
-        raise ValueError(f"b13: expected shape {(E, R)}, got {tuple(b13.shape)}")
-    if b2 is not None and tuple(b2.shape) != (E, d):
-        raise ValueError(f"b2: expected shape {(E, d)}, got {tuple(b2.shape)}")
+    ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, expert_ids.shape, activation=activation,
+               b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
 
 
 @torch.library.custom_op(f"{_LIB}::moe_forward", mutates_args=())
