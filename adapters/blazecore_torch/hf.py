@@ -55,12 +55,32 @@ KNOWN_GATES = {
 _OAI_CONSTANTS = (1.702, 7.0)  # blazecore.reference.moe.OAI_ALPHA, OAI_LIMIT
 
 
+def _act_name(experts: torch.nn.Module):
+    """The transformers activation name of the experts' ``act_fn`` (matched by type against ACT2FN's entries, or
+    torch.nn.functional.silu), else the config's ``hidden_act``."""
+    from transformers.activations import ACT2FN
+
+    fn = getattr(experts, "act_fn", None)
+    if fn is torch.nn.functional.silu:
+        return "silu"
+    if isinstance(fn, torch.nn.Module):
+        for name in (*_GATED_ACTS, *_PLAIN_ACTS):
+            try:
+                if type(ACT2FN[name]) is type(fn):
+                    return name
+            except KeyError:
+                continue
+    return getattr(experts.config, "hidden_act", None)
+
+
 def _hidden_act(experts: torch.nn.Module) -> str:
-    act = getattr(experts.config, "hidden_act", None)
+    act = _act_name(experts)
     table = _GATED_ACTS if experts.has_gate else _PLAIN_ACTS
     if act not in table:
         kind = "gated" if experts.has_gate else "non-gated"
-        raise NotImplementedError(f"blazecore experts: hidden_act {act!r} has no blazecore equivalent for {kind} "
+        fn = getattr(experts, "act_fn", None)
+        what = f"hidden_act {act!r}" if act is not None else f"the activation {type(fn).__name__}"
+        raise NotImplementedError(f"blazecore experts backend: {what} has no blazecore equivalent for {kind} "
                                   f"experts (supported: {sorted(table)})")
     return table[act]
 
@@ -73,7 +93,7 @@ def experts_activation(experts: torch.nn.Module) -> str:
     name = getattr(apply_gate, "__qualname__", repr(apply_gate))
     if name not in KNOWN_GATES:
         raise NotImplementedError(f"blazecore experts backend: the gate function {name} has no blazecore "
-                                  "activation")
+                                  "activation equivalent")
     activation, params = KNOWN_GATES[name]
     if activation is None:
         return _hidden_act(experts)
@@ -107,15 +127,15 @@ def unsupported(experts: torch.nn.Module, device: torch.device | None = None) ->
     try:
         experts_activation(experts)
     except NotImplementedError as e:
-        found.append(str(e).split(": ", 1)[-1])
+        found.append(str(e).removeprefix("blazecore experts backend: "))
     return found
 
 
 def _check_supported(experts: torch.nn.Module, device: torch.device) -> None:
     found = unsupported(experts, device)
     if found:
-        raise NotImplementedError(f"blazecore experts backend: {type(experts).__name__} uses {'; '.join(found)}, "
-                                  "which the backend does not implement")
+        raise NotImplementedError(f"blazecore experts backend: {type(experts).__name__} needs what the backend "
+                                  f"does not implement: {'; '.join(found)}")
 
 
 def _weights(experts: torch.nn.Module):
