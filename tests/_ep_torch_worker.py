@@ -40,7 +40,7 @@ def _routed_inputs(case, world, d, E):
     reads the first E columns as logits (router.weight = [I_E, 0]), so these columns pick the routing."""
     g = torch.Generator().manual_seed(1234 + world)
     counts = {"uneven": [5, 0, 9, 3], "empty_from_rank": [6, 7, 4, 5], "k_eq_e": [4, 3, 0, 6],
-              "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1]}[case][:world]
+              "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1], "expert_bias": [3, 8, 2, 6]}[case][:world]
     xs = []
     for r, n in enumerate(counts):
         x = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -55,13 +55,16 @@ def _routed_inputs(case, world, d, E):
     return xs
 
 
-def _full_layer(d, h, E, K, activation="swiglu", checkpoint="ab"):
+def _full_layer(d, h, E, K, activation="swiglu", checkpoint="ab", bias=False):
     torch.manual_seed(7)
-    full = blazecore_torch.MoELayer(d, h, E, K, activation=activation, checkpoint=checkpoint, dtype=torch.float64)
+    full = blazecore_torch.MoELayer(d, h, E, K, activation=activation, checkpoint=checkpoint, expert_bias=bias,
+                                    dtype=torch.float64)
     with torch.no_grad():
         w = torch.zeros(E, d, dtype=torch.float64)
         w[:, :E] = torch.eye(E, dtype=torch.float64)
         full.router.weight.copy_(w)
+        if bias:
+            full.expert_bias.copy_(torch.linspace(-1.0, 1.0, E))
     return full
 
 
@@ -69,11 +72,11 @@ def suite_layer(rank, world):
     d, h = 12, 6
     cases = [("uneven", 8, 2, "swiglu", "ab"), ("empty_from_rank", 8, 3, "swiglu", "ab"),
              ("k_eq_e", 4, 4, "swiglu", "ab"), ("all_to_one", 4, 2, "gelu", "ab"),
-             ("none_ckpt", 8, 2, "swiglu", "none")]
+             ("none_ckpt", 8, 2, "swiglu", "none"), ("expert_bias", 8, 2, "swiglu", "ab")]
     for case, E, K, act, ck in cases:
         if E % world:
             continue
-        full = _full_layer(d, h, E, K, act, ck)
+        full = _full_layer(d, h, E, K, act, ck, bias=case == "expert_bias")
         xs = _routed_inputs(case, world, d, E)
         gdy = torch.Generator().manual_seed(99)
         dys = [torch.randn(x.shape, generator=gdy, dtype=torch.float64) for x in xs]

@@ -44,8 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 import blazecore
+from blazecore.layer import resolve_plan
 
 from . import ops
+from .layer import MoELayer
 
 __all__ = ["ExpertParallelMoELayer", "LocalExperts", "fully_shard_expert_parallel", "resolve_ep_group"]
 
@@ -189,21 +191,23 @@ class LocalExperts(nn.Module):
         nn.init.uniform_(self.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor, dispatch: ops.TorchDispatch, *,
-                activation: str, checkpoint: str, chunks: int = 1) -> torch.Tensor:
+                activation: str, checkpoint: str, chunks: int = 1, retain_saved: bool = False) -> torch.Tensor:
         """``ops.moe_ffn`` of x (n, d) with gates (n, K) and local expert ids (n, K) int32 in [0, E_local).
 
         A module call, not a parameter read, so that FSDP2's hooks gather the sharded weights around it."""
         return ops.moe_ffn(x, _local(self.gate_up_proj), _local(self.down_proj), gates, expert_ids,
-                           activation=activation, checkpoint=checkpoint, dispatch=dispatch, chunks=chunks)
+                           activation=activation, checkpoint=checkpoint, dispatch=dispatch, chunks=chunks,
+                           retain_saved=retain_saved)
 
 
 class ExpertParallelMoELayer(nn.Module):
     """``MoELayer`` with its experts split over an expert-parallel process group.
 
     Args:
-        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, checkpoint,
-            chunks: as for :class:`blazecore_torch.MoELayer` (``chunks`` an int here: the local experts'
-            token chunks).
+        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, expert_bias,
+            checkpoint, chunks, memory_budget, retain_saved: as for :class:`blazecore_torch.MoELayer`. With
+            ``chunks="auto"`` the local experts' call is planned from the rows this rank actually received
+            (known on the host after the count exchange), as tokens with K = 1 over E_local experts.
         group: the expert-parallel group: None (WORLD), a ProcessGroup, or a DeviceMesh (1-D, or one with
             a dimension named ``ep_dim``). torch.distributed must be initialised; the backend must fit the
             device (NCCL: CUDA tensors on the current device, gloo: CPU tensors).
@@ -222,17 +226,19 @@ class ExpertParallelMoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
                  ep_dim: str = "ep", activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
-                 checkpoint: str = "ab", chunks: int = 1, device=None, dtype=None):
+                 expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None,
+                 retain_saved: bool = False, device=None, dtype=None):
         super().__init__()
         gated = blazecore.activation_info(activation)
-        if checkpoint not in blazecore.CHECKPOINTS:
-            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {blazecore.CHECKPOINTS})")
+        if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
+            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
+                             f"{(*blazecore.CHECKPOINTS, 'auto')})")
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+        if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
+            raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
         self.group = resolve_ep_group(group, ep_dim=ep_dim)
         self.ep_size = dist.get_world_size(self.group)
         self.ep_rank = dist.get_rank(self.group)
@@ -243,12 +249,16 @@ class ExpertParallelMoELayer(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
         self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
-        self.chunks = chunks
+        self.chunks, self.memory_budget, self.retain_saved = chunks, memory_budget, bool(retain_saved)
         self.always_exchange = False
         fk = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
         R = 2 * intermediate_size if gated else intermediate_size
         self.experts = LocalExperts(self.num_local_experts, hidden_size, intermediate_size, R, **fk)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     @property
     def local_expert_range(self) -> range:
@@ -267,6 +277,8 @@ class ExpertParallelMoELayer(nn.Module):
         rng = self.local_expert_range
         sl = slice(rng.start, rng.stop)
         self.router.weight.copy_(state["router.weight"])
+        if self.expert_bias is not None and "expert_bias" in state:
+            self.expert_bias.copy_(state["expert_bias"])
         self.experts.gate_up_proj.copy_(state["gate_up_proj"][sl])
         self.experts.down_proj.copy_(state["down_proj"][sl])
 
@@ -276,7 +288,8 @@ class ExpertParallelMoELayer(nn.Module):
         w = layer.gate_up_proj
         ep = cls(layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, group=group,
                  ep_dim=ep_dim, activation=layer.activation, score=layer.score, renormalize=layer.renormalize,
-                 checkpoint=layer.checkpoint, chunks=layer.chunks if isinstance(layer.chunks, int) else 1,
+                 expert_bias=layer.expert_bias is not None, checkpoint=layer.checkpoint, chunks=layer.chunks,
+                 memory_budget=layer.memory_budget, retain_saved=getattr(layer, "retain_saved", False),
                  device=w.device, dtype=w.dtype)
         ep.load_full_state_dict(layer.state_dict())
         return ep
@@ -294,12 +307,12 @@ class ExpertParallelMoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size).contiguous()
         logits = self.router(tokens)
-        gates, ids = ops.route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize)
+        gates, ids = ops.route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize,
+                                    expert_bias=self.expert_bias)
         # ids from route_topk are in range and distinct: no validation read
         dispatch = ops.build_dispatch(ids, self.num_experts, validate=False)
         if self.ep_size == 1 and not self.always_exchange:
-            y = self.experts(tokens, gates, ids, dispatch, activation=self.activation, checkpoint=self.checkpoint,
-                             chunks=self.chunks)
+            y = self._experts(tokens, gates, ids, dispatch, self.top_k, self.num_experts)
         else:
             y = self._exchange_and_run(tokens, gates, dispatch)
         aux = {
@@ -309,6 +322,24 @@ class ExpertParallelMoELayer(nn.Module):
             "tokens_per_expert": dispatch.counts(),
         }
         return y.reshape(shape), aux
+
+    def _experts(self, x, gates, ids, dispatch, K: int, E: int) -> torch.Tensor:
+        """The local experts on x (n, d) routed K ways over E experts, with the chunks and policy planned for n."""
+        chunks, checkpoint = resolve_plan(self.chunks, self.checkpoint, x.shape[0], self.hidden_size,
+                                          self.intermediate_size, E, K, dtype=str(x.dtype).removeprefix("torch."),
+                                          activation=self.activation, budget=self.memory_budget,
+                                          free_bytes=MoELayer._free_bytes(x), retain=self.retain_saved)
+        return self.experts(x, gates, ids, dispatch, activation=self.activation, checkpoint=checkpoint, chunks=chunks,
+                            retain_saved=self.retain_saved)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing step, as ``MoELayer.update_expert_bias``. Pass the counts summed over the
+        ranks (``dist.all_reduce`` of ``aux["tokens_per_expert"]``) so that every rank's bias stays the same."""
+        if self.expert_bias is None:
+            raise RuntimeError("this ExpertParallelMoELayer was built without expert_bias=True")
+        counts = tokens_per_expert.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
 
     def _exchange_and_run(self, tokens, gates, dispatch) -> torch.Tensor:
         ep, El, K = self.ep_size, self.num_local_experts, self.top_k
@@ -333,8 +364,7 @@ class ExpertParallelMoELayer(nn.Module):
         local = torch.arange(El, device=tokens.device, dtype=torch.int32).repeat(ep)
         recv_ids = torch.repeat_interleave(local, recv_counts.to(torch.int64), output_size=n_recv).view(n_recv, 1)
         local_dispatch = ops.build_dispatch(recv_ids, El, validate=False)
-        out = self.experts(recv, recv_gates.view(n_recv, 1), recv_ids, local_dispatch, activation=self.activation,
-                           checkpoint=self.checkpoint, chunks=self.chunks)
+        out = self._experts(recv, recv_gates.view(n_recv, 1), recv_ids, local_dispatch, 1, El)
         # 5. results back, in slot order; 6. combine over k
         back = _AllToAll.apply(out, send_splits, recv_splits, self.group)
         return _Combine.apply(back, pair_slot, slot_token)
