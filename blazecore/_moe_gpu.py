@@ -52,7 +52,7 @@ def _gemm_name(ct, mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather):
     return f"blz::moe_gemm<{ct}, {mode}, {b(a_kmajor)}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {b(b_gather)}>"
 
 
-def _variants(ct, act):
+def _variants(act):
     """name -> (mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather) for one (dtype, activation)."""
     return {
         "gemm1": (MODE_M, True, True, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
@@ -65,7 +65,7 @@ def _variants(ct, act):
 
 
 def _module_names(ct, act):
-    names = [_gemm_name(ct, *v) for v in _variants(ct, act).values()]
+    names = [_gemm_name(ct, *v) for v in _variants(act).values()]
     names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
               "blz::moe_block_starts", "blz::moe_mark_seen"]
     return names
@@ -96,7 +96,7 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
 
 
 def _module_names90(ct, act):
-    variants = _variants(ct, act)
+    variants = _variants(act)
     names = [_name90(ct, k, v) for k, v in variants.items()]
     names += [_name90(ct, k, variants[k], b_load="tma") for k in variants if variants[k][0] == MODE_M]
     return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
@@ -155,7 +155,7 @@ class _Kernels:
         self.act = _ACT_IDS[activation]
         self.itemsize = np.dtype(dtype).itemsize
         self.names = _module_names(self.ct, self.act)
-        self.variants = _variants(self.ct, self.act)
+        self.variants = _variants(self.act)
         self.gated = activation in _GATED
         self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
         if self.b_load not in B_LOADS:
@@ -238,7 +238,7 @@ def _m_grid(LK, E, tiles_n):
     return (-(-LK // BM) + E) * tiles_n
 
 
-def check_shapes(x, w13, w2, activation):
+def check_shapes(x, w2):
     """GPU-path constraints beyond the public checks: 16-byte aligned rows."""
     d, h = x.shape[1], w2.shape[2]
     if d % 8 or h % 8:
@@ -523,7 +523,7 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
         y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, True, "out")
         check_gpu_device({"out": y.view}, dev)
         if _array.dry() is None:  # the model sizes any shape; moe_forward refuses those the kernels cannot run
-            check_shapes(x, w13, w2, activation)  # the kernels' own limits (row alignment)
+            check_shapes(x, w2)  # the kernels' own limits (row alignment)
         bounds = chunk_bounds(sz.L, *chunking)
         if dispatch is not None:
             check_dispatch(dispatch, sz.L, sz.K, sz.E, True, dev)

@@ -167,6 +167,53 @@ def suite_fsdp(rank, world):
     print(f"OK fsdp dp={dp} ep={epn} steps={steps}", flush=True)
 
 
+def suite_titan(rank, world):
+    """torchtitan's MoE under its own expert parallelism (AllToAllTokenDispatcher on an "ep" mesh, the
+    "partial_dtensor" SPMD backend) with blazecore's experts, against the single-process torchtitan MoE with its
+    grouped_mm experts (which compute in bf16: bf16 tolerance)."""
+    from blazecore_torch.titan import use_blazecore_experts
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+
+    set_spmd_backend("partial_dtensor")
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    d, F, E, K, T = 16, 8, 4, 2, 6
+
+    def config(local_experts, dispatcher):
+        return MoE.Config(num_experts=E, router=TokenChoiceTopKRouter.Config(
+            num_experts=E, top_k=K, gate=Linear.Config(in_features=d, out_features=E, bias=False)),
+            routed_experts=RoutedExperts.Config(
+                inner_experts=GroupedExperts.Config(dim=d, hidden_dim=F, num_experts=local_experts),
+                token_dispatcher=dispatcher.Config(num_experts=E, top_k=K)))
+
+    torch.manual_seed(0)
+    full = config(E, LocalTokenDispatcher).build()
+    for p in full.parameters():
+        nn.init.normal_(p, std=0.3)
+    ep = use_blazecore_experts(config(E // world, AllToAllTokenDispatcher)).build()
+    sl = slice(rank * E // world, (rank + 1) * E // world)
+    ep.load_state_dict({k: (v[sl] if "inner_experts" in k else v) for k, v in full.state_dict().items()})
+    ep.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, T, d, generator=g) for _ in range(world)]
+    x_all = torch.cat(xs, 1).requires_grad_(True)
+    full(x_all).sum().backward()
+    x = xs[rank].clone().requires_grad_(True)
+    y = ep(x)
+    y.sum().backward()
+    rows = slice(rank * T, (rank + 1) * T)
+    _close("titan: y", y, full(x_all.detach())[:, rows], rtol=2e-2)
+    _close("titan: dx", x.grad, x_all.grad[:, rows], rtol=2e-2)
+    mine, ref = ep.routed_experts.inner_experts, full.routed_experts.inner_experts
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        _close(f"titan: d {name}", getattr(mine, name).grad, getattr(ref, name).grad[sl], rtol=2e-2)
+    assert type(mine).__name__ == "BlazecoreGroupedExperts"
+    print("OK titan", flush=True)
+
+
 def suite_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -193,7 +240,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors}[suite](rank, world)
+        {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors, "titan": suite_titan}[suite](rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -165,6 +165,14 @@ def test_torchtitan_experts_backend():
     assert losses[-1] < losses[0], losses
 
 
+def test_torchtitan_expert_parallel_with_blazecore_experts():
+    """2 processes: torchtitan's own all-to-all token dispatcher with blazecore's experts equals the single-process
+    torchtitan MoE (tests/_ep_torch_worker.py, suite "titan")."""
+    pytest.importorskip("torchtitan")
+    for out in _launch(2, "titan"):
+        assert "OK titan" in out, out
+
+
 def test_bench_ep_cpu_smoke(tmp_path):
     """bench/bench_ep.py's driver and torchrun worker on the CPU (gloo, 2 processes, tiny shape): it runs and its
     JSON has the weak-scaling row."""
