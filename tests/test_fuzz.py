@@ -79,7 +79,7 @@ BACKENDS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 # Independent float64 references (the CPU backend's expected values)
 # ---------------------------------------------------------------------------------------------
 
-_GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False}
+_GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False, "swiglu_oai": True}
 
 
 def _act(name: str, z):
@@ -90,7 +90,22 @@ def _act(name: str, z):
         return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
     if name == "relu2":
         return np.where(z.real > 0, z, 0.0) ** 2
+    if name == "swiglu_oai":  # gate clamped above at 7, then c sigmoid(1.702 c)
+        c = np.where(z.real <= 7.0, z, 7.0)
+        return c / (1.0 + np.exp(-1.702 * c))
     raise ValueError(name)
+
+
+def _up(name: str, b):
+    """The up half's factor of a gated activation (b itself but for swiglu_oai: clip(b, -7, 7) + 1)."""
+    if name == "swiglu_oai":
+        return np.where(np.abs(b.real) <= 7.0, b, np.sign(b.real) * 7.0) + 1.0
+    return b
+
+
+def _dup(name: str, b):
+    eps = 1e-30
+    return np.imag(_up(name, np.asarray(b, dtype=np.complex128) + 1j * eps)) / eps
 
 
 def _dact(name: str, z):
@@ -117,7 +132,7 @@ def local_moe(x, w13, w2, gates, ids, activation, b13, b2, dy):
         W1 = w13[e]  # (K, R, d)
         z = W1 @ x[t] + (0.0 if b13 is None else b13[e])  # (K, R)
         z_all[t] = z
-        hc = _act(activation, z[:, :h]) * z[:, h:] if gated else _act(activation, z)  # (K, h)
+        hc = _act(activation, z[:, :h]) * _up(activation, z[:, h:]) if gated else _act(activation, z)  # (K, h)
         o = np.einsum("kdh,kh->kd", w2[e], hc) + (0.0 if b2 is None else b2[e])  # (K, d)
         y[t] = gates[t] @ o
         g["dgates"][t] = o @ dy[t]
@@ -128,7 +143,8 @@ def local_moe(x, w13, w2, gates, ids, activation, b13, b2, dy):
         dh = np.einsum("kd,kdh->kh", do, w2[e])
         if gated:
             a, b = z[:, :h], z[:, h:]
-            dz = np.concatenate([dh * b * _dact(activation, a), dh * _act(activation, a)], axis=1)
+            dz = np.concatenate([dh * _up(activation, b) * _dact(activation, a),
+                                 dh * _act(activation, a) * _dup(activation, b)], axis=1)
         else:
             dz = dh * _dact(activation, z)
         g["dw13"][e] += dz[:, :, None] * x[t][None, None, :]
@@ -234,7 +250,7 @@ def dgates_scale(dy, z, w2, b2, ids, activation):
     dy, w2 = np.asarray(dy, np.float64), np.asarray(w2, np.float64)
     ids = np.asarray(ids, np.int64)
     h = w2.shape[2]
-    hc = _act(activation, z[..., :h]) * z[..., h:] if _GATED[activation] else _act(activation, z)
+    hc = _act(activation, z[..., :h]) * _up(activation, z[..., h:]) if _GATED[activation] else _act(activation, z)
     terms = np.zeros(ids.shape)
     for e in np.unique(ids):
         t, k = np.nonzero(ids == e)
