@@ -40,7 +40,8 @@ def _routed_inputs(case, world, d, E):
     reads the first E columns as logits (router.weight = [I_E, 0]), so these columns pick the routing."""
     g = torch.Generator().manual_seed(1234 + world)
     counts = {"uneven": [5, 0, 9, 3], "empty_from_rank": [6, 7, 4, 5], "k_eq_e": [4, 3, 0, 6],
-              "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1], "expert_bias": [3, 8, 2, 6]}[case][:world]
+              "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1], "expert_bias": [3, 8, 2, 6],
+              "float32": [9, 4, 6, 3]}[case][:world]
     xs = []
     for r, n in enumerate(counts):
         x = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -72,7 +73,8 @@ def suite_layer(rank, world):
     d, h = 12, 6
     cases = [("uneven", 8, 2, "swiglu", "ab"), ("empty_from_rank", 8, 3, "swiglu", "ab"),
              ("k_eq_e", 4, 4, "swiglu", "ab"), ("all_to_one", 4, 2, "gelu", "ab"),
-             ("none_ckpt", 8, 2, "swiglu", "none"), ("expert_bias", 8, 2, "swiglu", "ab")]
+             ("none_ckpt", 8, 2, "swiglu", "none"), ("expert_bias", 8, 2, "swiglu", "ab"),
+             ("float32", 8, 2, "swiglu", "ab")]
     for case, E, K, act, ck in cases:
         if E % world:
             continue
@@ -80,6 +82,10 @@ def suite_layer(rank, world):
         xs = _routed_inputs(case, world, d, E)
         gdy = torch.Generator().manual_seed(99)
         dys = [torch.randn(x.shape, generator=gdy, dtype=torch.float64) for x in xs]
+        rtol = RTOL
+        if case == "float32":  # the core's CPU path for float32 (gates float32), not the float64 reference
+            full.float()
+            xs, dys, rtol = [t.float() for t in xs], [t.float() for t in dys], 1e-5
         # the single-process layer on every rank's tokens at once
         x_all = torch.cat(xs).requires_grad_(True)
         y_all, aux_all = full(x_all)
@@ -92,13 +98,13 @@ def suite_layer(rank, world):
         lo = sum(t.shape[0] for t in xs[:rank])
         rows = slice(lo, lo + xs[rank].shape[0])
         sl = slice(ep.local_expert_range.start, ep.local_expert_range.stop)
-        _close(f"{case}: y", y, y_all[rows])
-        _close(f"{case}: dx", x.grad, x_all.grad[rows])
-        _close(f"{case}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl])
-        _close(f"{case}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl])
+        _close(f"{case}: y", y, y_all[rows], rtol)
+        _close(f"{case}: dx", x.grad, x_all.grad[rows], rtol)
+        _close(f"{case}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], rtol)
+        _close(f"{case}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], rtol)
         drouter = ep.router.weight.grad.clone()
         dist.all_reduce(drouter)  # the router is replicated: its gradient sums over the ranks' tokens
-        _close(f"{case}: d router", drouter, full.router.weight.grad)
+        _close(f"{case}: d router", drouter, full.router.weight.grad, rtol)
         counts = aux["tokens_per_expert"].to(torch.int64)
         dist.all_reduce(counts)
         assert counts.tolist() == aux_all["tokens_per_expert"].tolist(), (counts, aux_all["tokens_per_expert"])

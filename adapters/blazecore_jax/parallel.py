@@ -143,7 +143,8 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         back_rows = back(out, n)
     else:
         back_rows = jnp.take(swap(out), pos, axis=0)
-    y = jnp.take(back_rows, pair_slot, axis=0).sum(axis=1).astype(x.dtype)
+    # the K rows of a token summed in float32 and rounded once, as the single-device combine does
+    y = jnp.take(back_rows, pair_slot, axis=0).astype(jnp.float32).sum(axis=1).astype(x.dtype)
     aux = {
         "load_balancing_loss": ops.load_balancing_loss(logits, ids),
         "z_loss": ops.router_z_loss(logits),

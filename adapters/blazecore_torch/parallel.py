@@ -130,12 +130,16 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 
 
 def _sum_rows(rows: torch.Tensor, pair_slot: torch.Tensor) -> torch.Tensor:
-    """y[t] = sum_k rows[pair_slot[t, k]], summed in k order (deterministic; each row read once)."""
+    """y[t] = sum_k rows[pair_slot[t, k]], summed in k order (deterministic; each row read once). 16-bit rows are
+    summed in float32 and rounded once, as the single-GPU combine does."""
     L, K = pair_slot.shape
     y = rows.index_select(0, pair_slot[:, 0])
+    if K == 1:
+        return y
+    wide = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
     for k in range(1, K):
-        y.add_(rows.index_select(0, pair_slot[:, k]))
-    return y
+        wide.add_(rows.index_select(0, pair_slot[:, k]))
+    return wide.to(rows.dtype)
 
 
 class _Pack(torch.autograd.Function):
