@@ -174,7 +174,7 @@ def grad_outs(saved: MoESaved, gpu: bool, out_dx, out_dw13, out_dw2, out_dgates)
     dx = _array.out_or_empty(out_dx, x.shape, dtype, gpu, "out_dx")
     dw13 = _array.out_or_empty(out_dw13, w13.shape, dtype, gpu, "out_dw13")
     dw2 = _array.out_or_empty(out_dw2, w2.shape, dtype, gpu, "out_dw2")
-    dgates = _array.out_or_empty(out_dgates, gates.shape, np.float32, gpu, "out_dgates")
+    dgates = _array.out_or_empty(out_dgates, gates.shape, _array.logical_dtype(gates), gpu, "out_dgates")
     db13 = None if saved.b13 is None else _array.out_or_empty(None, saved.b13.shape, dtype, gpu, "db13")
     db2 = None if saved.b2 is None else _array.out_or_empty(None, saved.b2.shape, dtype, gpu, "db2")
     if gpu:

@@ -154,13 +154,17 @@ def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, 
     gpu = _validate.same_device(arrays)
 
     # dtypes
-    dtype = _validate.check_dtype(x, "x", _FLOAT_TYPES)
+    if gpu and _array.logical_dtype(x) == np.float64:
+        raise TypeError("x: dtype float64 not supported on the GPU (float64 runs on the CPU, in the NumPy reference; "
+                        "pass float32, float16 or bfloat16)")
+    dtype = _validate.check_dtype(x, "x", _FLOAT_TYPES + (() if gpu else (np.float64,)))
     for name in ("w13", "w2", "b13", "b2"):
         a = arrays.get(name)
         if a is not None and _array.logical_dtype(a) != dtype:
             raise TypeError(f"{name}: dtype {_array.dtype_name(_array.logical_dtype(a))} differs from x's "
                             f"{_array.dtype_name(dtype)} (x, w13, w2, b13 and b2 share one dtype)")
-    _validate.check_dtype(gates, "gates", (np.float32,))
+    # float64 (CPU only): the reference's own precision, gates and dgates included (gradcheck)
+    _validate.check_dtype(gates, "gates", (np.float64,) if dtype == np.float64 else (np.float32,))
     idt = _validate.check_integer(ids, "expert_ids")
     if idt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"expert_ids: dtype {idt.name} not supported (expected int32 or int64)")
@@ -205,7 +209,9 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
-        x: (L, d) tokens; float32, float16 or bfloat16; C-contiguous, any DLPack array. L >= 0.
+        x: (L, d) tokens; float32, float16 or bfloat16; C-contiguous, any DLPack array. L >= 0. CPU arrays
+            may also be float64 (the reference's own precision, e.g. for gradcheck): gates are then float64 too,
+            and so are dgates.
         w13: (E, 2h, d) for gated activations ([gate rows w1; up rows w3]) or (E, h, d) otherwise;
             x's dtype; (out, in) per expert like nn.Linear.
         w2: (E, d, h), x's dtype.

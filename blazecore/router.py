@@ -22,7 +22,9 @@ Both are 0 for L = 0. Only P carries a gradient in aux (f is a count).
 
 GPU inputs run the kernels of ``cuda/router.cu`` (one fused kernel for the forward, one for the
 backward; see that file for the layout); CPU inputs run ``blazecore.reference.router``. Neither path
-synchronises with the host unless ``validate=True`` is asked for.
+synchronises with the host unless ``validate=True`` is asked for. On the CPU the logits may also be float64
+(the reference's own precision, e.g. for gradcheck): then the float32 results and operands (gates, dgates,
+the losses, expert_bias) are float64 as well; float64 on the GPU is a TypeError.
 
 On ties. Without a bias the GPU ranks experts by the logit itself (the score is increasing in it, so the
 order is the same and exact: only equal logits tie); with a bias it ranks the fp32 value s_e + bias_e. The
@@ -51,6 +53,7 @@ __all__ = [
 _FILE = "router.cu"
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 _LOGIT_DTYPES = tuple(_CTYPES)
+_F64 = np.dtype(np.float64)  # CPU only: the NumPy reference's own precision (gradcheck)
 _SCORES = {"softmax": 0, "sigmoid": 1}
 _NULL = np.uint64(0)
 
@@ -116,7 +119,7 @@ def _row_grid(L: int, warps: int) -> tuple:
 
 def _check_logits(x, name="logits") -> tuple[int, int]:
     _validate.check_ndim(x, name, 2, "(L, E) router logits")
-    _validate.check_dtype(x, name, _LOGIT_DTYPES)
+    _validate.check_dtype(x, name, (*_LOGIT_DTYPES, _F64))
     _validate.check_contiguous(x, name)
     L, E = (int(s) for s in x.shape)
     if E < 1:
@@ -125,6 +128,22 @@ def _check_logits(x, name="logits") -> tuple[int, int]:
         raise ValueError(f"{name}: E = {E} experts exceeds the supported maximum {MAX_EXPERTS}")
     _validate.check_int32_range(L, f"{name}: L")
     return L, E
+
+
+def _f64_cpu(x, gpu: bool, name="logits") -> bool:
+    """Whether ``x`` is float64, which runs on the CPU only (TypeError for a GPU array)."""
+    if logical_dtype(x) != _F64:
+        return False
+    if gpu:
+        raise TypeError(f"{name}: dtype float64 not supported on the GPU (float64 runs on the CPU, in the NumPy "
+                        f"reference; pass float32, float16 or bfloat16)")
+    return True
+
+
+def _float_out(f64: bool):
+    """The dtype of the router's float32 results (gates, losses, their gradients' inputs): float64 for float64
+    logits."""
+    return _F64 if f64 else np.dtype(np.float32)
 
 
 def _check_top_k(top_k, E: int) -> int:
@@ -174,9 +193,9 @@ def _check_id_values(ids, E: int, name: str, distinct: bool) -> None:
             raise ValueError(f"{name}: expert ids must be distinct within a row; row {row} repeats one")
 
 
-def _check_bias(bias, E: int):
+def _check_bias(bias, E: int, f64: bool = False):
     b = _array.asarray(bias, "expert_bias")
-    _validate.check_array(b, "expert_bias", (np.float32,), (E,))
+    _validate.check_array(b, "expert_bias", (np.float32, np.float64) if f64 else (np.float32,), (E,))
     return b
 
 
@@ -389,11 +408,12 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
     arrays = {"logits": x}
     bias = None
     if expert_bias is not None:
-        bias = _check_bias(expert_bias, E)
+        bias = _check_bias(expert_bias, E, logical_dtype(x) == _F64)
         arrays["expert_bias"] = bias
     gpu = _validate.same_device(arrays)
+    f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    gates = _array.out_or_empty(out_gates, (L, K), np.float32, gpu, "out_gates")
+    gates = _array.out_or_empty(out_gates, (L, K), _float_out(f64), gpu, "out_gates")
     ids = _array.out_or_empty(out_ids, (L, K), np.int32, gpu, "out_ids")
     _check_out_device({**arrays, "out_gates": gates.view, "out_ids": ids.view})
     if check_finite:
@@ -432,8 +452,9 @@ def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormal
     L, E = _check_logits(x)
     K = _check_ids(ids, "expert_ids", L, E)
     score_id = _check_score(score)
-    _validate.check_array(dg, "dgates", (np.float32,), (L, K))
+    _validate.check_array(dg, "dgates", (_float_out(logical_dtype(x) == _F64),), (L, K))
     gpu = _validate.same_device({"dgates": dg, "logits": x, "expert_ids": ids})
+    _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
     dt = logical_dtype(x)
     dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
@@ -485,13 +506,14 @@ def load_balancing_loss(logits, expert_ids, *, out=None, stream=None, validate=F
     L, E = _check_logits(x)
     _check_ids(ids, "expert_ids", L, E)
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
+    f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
     if gpu:
         if validate:
             _check_id_values(ids, E, "expert_ids", distinct=False)
         return _aux_forward(x, ids, True, False, out, stream)
     _check_id_values(ids, E, "expert_ids", distinct=False)
-    res = _array.out_or_empty(out, (), np.float32, False, "out")
+    res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
     res.view[...] = _ref.load_balancing_loss(x, ids)
     return res.user
 
@@ -509,10 +531,11 @@ def router_z_loss(logits, *, out=None, stream=None):
     x = _array.asarray(logits, "logits")
     _check_logits(x)
     gpu = _validate.same_device({"logits": x})
+    f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
     if gpu:
         return _aux_forward(x, None, False, True, out, stream)
-    res = _array.out_or_empty(out, (), np.float32, False, "out")
+    res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
     res.view[...] = _ref.router_z_loss(x)
     return res.user
 
@@ -538,6 +561,7 @@ def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=
     L, E = _check_logits(x)
     K = _check_ids(ids, "expert_ids", L, E)
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
+    _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
     d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
     dt = logical_dtype(x)
@@ -576,6 +600,7 @@ def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
     x = _array.asarray(logits, "logits")
     L, E = _check_logits(x)
     gpu = _validate.same_device({"logits": x})
+    _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
     d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
     dt = logical_dtype(x)

@@ -1,7 +1,7 @@
 """The PyTorch adapter (adapters/blazecore_torch): custom ops, autograd, torch.compile and MoELayer.
 
-CPU cases run the core's reference path (float64 runs blazecore.reference directly, which gradcheck
-needs); GPU cases (@pytest.mark.gpu) check the same on CUDA in bf16 and that torch's allocator owns the
+CPU cases run the core's reference path (float64 as well, through the same core functions, for
+gradcheck); GPU cases (@pytest.mark.gpu) check the same on CUDA in bf16 and that torch's allocator owns the
 memory. The layer is compared with the conventional PyTorch MoE of blazecore_app.baselines on the same weights
 and the same routing, computed independently in torch. The transformers backend "blazecore" is compared
 with transformers' "eager" experts on tiny random Mixtral, Qwen3-MoE and OLMoE models (skipped without
@@ -621,7 +621,7 @@ def test_gpu_bad_device_errors():
     x, w13, w2, gates, ids, logits, _, _ = _inputs(8, 128, 256, 4, 2, torch.bfloat16, "cuda", requires_grad=False)
     with pytest.raises(ValueError, match="one device"):
         ops.moe_ffn(x.cpu(), w13, w2, gates, ids)
-    with pytest.raises(ValueError, match="float64"):
+    with pytest.raises(TypeError, match="float64 not supported on the GPU"):
         ops.route_topk(logits.double(), 2)
     layer = MoELayer(128, 256, 4, 2, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="parameters"):

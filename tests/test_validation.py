@@ -298,8 +298,13 @@ F32, F16, BF = np.float32, np.float16, BF16
 
 ROWS = [
     # ---- moe_forward
-    Row("moe_forward.x_float64", "moe_forward", "x float64", TypeError, "x: dtype float64 not supported", BOTH,
-        fwd(x=lambda i, b: i["x"].astype(np.float64))),
+    Row("moe_forward.x_float64", "moe_forward", "x float64 on the GPU", TypeError,
+        "x: dtype float64 not supported on the GPU", GPU, fwd(x=lambda i, b: i["x"].astype(np.float64))),
+    Row("moe_forward.gates_float32_f64", "moe_forward", "x and weights float64 (CPU), gates float32", TypeError,
+        "gates: dtype float32 not supported (expected one of float64)", CPU,
+        fwd(x=lambda i, b: i["x"].astype(np.float64), w13=lambda i, b: i["w13"].astype(np.float64),
+            w2=lambda i, b: i["w2"].astype(np.float64), b13=lambda i, b: i["b13"].astype(np.float64),
+            b2=lambda i, b: i["b2"].astype(np.float64))),
     Row("moe_forward.x_int", "moe_forward", "x int32", TypeError, "x: dtype int32 not supported", BOTH,
         fwd(x=lambda i, b: i["x"].astype(np.int32))),
     Row("moe_forward.w13_dtype", "moe_forward", "w13 float16, x float32", TypeError,
@@ -528,8 +533,8 @@ ROWS = [
         BOTH, _topk(logits=_logits()[0])),
     Row("route_topk.logits_int", "route_topk", "logits int32", TypeError, "logits: dtype int32 not supported", BOTH,
         _topk(logits=np.zeros((RL, RE), np.int32))),
-    Row("route_topk.logits_float64", "route_topk", "logits float64", TypeError, "logits: dtype float64 not supported",
-        BOTH, _topk(logits=_logits(np.float64))),
+    Row("route_topk.logits_float64", "route_topk", "logits float64 on the GPU", TypeError,
+        "logits: dtype float64 not supported on the GPU", GPU, _topk(logits=_logits(np.float64))),
     Row("route_topk.logits_noncontig", "route_topk", "logits not C-contiguous", ValueError,
         "logits: must be C-contiguous", BOTH, _topk(logits=lambda b: _noncontig(_logits(), b))),
     Row("route_topk.no_experts", "route_topk", "E = 0", ValueError, "logits: need at least one expert", BOTH,

@@ -33,8 +33,9 @@ pre-activations intact (the backward works on a copy), at the cost of one (L*K, 
 forward output), so the saving is eager-mode only.
 
 dtypes: x, w13, w2 (and biases) float32, float16 or bfloat16 with float32 gates, on CPU or CUDA. On
-the CPU, float64 is accepted as well (gates float64 too) and runs blazecore's float64 NumPy reference
-directly (``blazecore.reference``); that is what ``torch.autograd.gradcheck`` needs.
+the CPU, float64 is accepted as well (gates, router losses and their gradients float64 too): it goes through
+the core's functions like every dtype, whose CPU path is the float64 NumPy reference; that is what
+``torch.autograd.gradcheck`` needs. float64 CUDA tensors are the core's TypeError.
 """
 
 from __future__ import annotations
@@ -47,9 +48,6 @@ import torch
 
 import blazecore
 from blazecore import _array
-from blazecore.moe import ffn_shapes
-from blazecore.reference import moe as _ref_moe
-from blazecore.reference import router as _ref_route
 
 __all__ = [
     "TorchDispatch",
@@ -115,25 +113,8 @@ def _detach(*tensors):
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
-def _np(t: torch.Tensor | None):
-    """NumPy view of a CPU tensor for the float64 reference path. Through DLPack, not ``Tensor.numpy()``: that
-    marks the storage non-resizable, and FSDP2 frees an unsharded parameter by resizing its storage to 0."""
-    return None if t is None else np.from_dlpack(t.detach())
-
-
 def _is_f64(t: torch.Tensor) -> bool:
     return t.dtype == torch.float64
-
-
-def _check_f64_cpu(tensors: dict) -> None:
-    """The float64 path is the CPU reference: every floating operand float64 and on the CPU."""
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if t.device.type != "cpu":
-            raise ValueError(f"{name}: float64 runs only on the CPU reference path, got a {t.device} tensor")
-        if t.dtype != torch.float64:
-            raise TypeError(f"{name}: dtype {t.dtype}; with float64 inputs every floating operand must be float64")
 
 
 def _check_same_device(tensors: dict) -> torch.device:
@@ -153,13 +134,6 @@ def _check_same_device(tensors: dict) -> torch.device:
 def _route_topk_op(logits: torch.Tensor, top_k: int, score: str, renormalize: bool,
                    expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     logits, expert_bias = _detach(logits, expert_bias)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits})
-        if not 1 <= top_k <= logits.shape[1]:
-            raise ValueError(f"top_k = {top_k} must be in [1, E] with E = {logits.shape[1]} experts")
-        g, i = _ref_route.route_topk_forward(_np(logits), top_k, score=score, renormalize=renormalize,
-                                             expert_bias=_np(expert_bias))
-        return torch.from_numpy(g), torch.from_numpy(i.astype(np.int32))
     with _core_call(logits.device) as stream:
         g, i = blazecore.route_topk(logits, top_k, score=score, renormalize=renormalize,
                                                expert_bias=expert_bias, stream=stream)
@@ -177,11 +151,6 @@ def _(logits, top_k, score, renormalize, expert_bias):
 def _route_topk_backward_op(dgates: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor, score: str,
                             renormalize: bool) -> torch.Tensor:
     dgates, logits, expert_ids = _detach(dgates, logits, expert_ids)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits, "dgates": dgates})
-        d = _ref_route.route_topk_backward(_np(dgates), _np(logits), _np(expert_ids).astype(np.int64), score=score,
-                                           renormalize=renormalize)
-        return torch.from_numpy(np.ascontiguousarray(d))
     with _core_call(logits.device) as stream:
         d = blazecore.route_topk_backward(dgates, logits, expert_ids, score=score, renormalize=renormalize,
                                           stream=stream)
@@ -218,9 +187,6 @@ def _loss_dtype(logits):
 @torch.library.custom_op(f"{_LIB}::load_balancing_loss", mutates_args=())
 def _lb_loss_op(logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     logits, expert_ids = _detach(logits, expert_ids)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits})
-        return torch.tensor(_ref_route.load_balancing_loss(_np(logits), _np(expert_ids)), dtype=torch.float64)
     with _core_call(logits.device) as stream:
         return _to_torch(blazecore.load_balancing_loss(logits, expert_ids, stream=stream))
 
@@ -233,14 +199,10 @@ def _(logits, expert_ids):
 @torch.library.custom_op(f"{_LIB}::load_balancing_loss_backward", mutates_args=())
 def _lb_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     dloss, logits, expert_ids = _detach(dloss, logits, expert_ids)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits})
-        d = _ref_route.load_balancing_loss_backward(float(dloss), _np(logits), _np(expert_ids))
-        return torch.from_numpy(np.ascontiguousarray(d))
     with _core_call(logits.device) as stream:
         # a CUDA dloss is read by the kernel (no host round trip); a CPU one becomes a Python number
-        return _to_torch(blazecore.load_balancing_loss_backward(dloss.float().contiguous(), logits, expert_ids,
-                                                                stream=stream))
+        return _to_torch(blazecore.load_balancing_loss_backward(dloss.to(_loss_dtype(logits)).contiguous(), logits,
+                                                                expert_ids, stream=stream))
 
 
 @_lb_loss_backward_op.register_fake
@@ -263,9 +225,6 @@ _lb_loss_op.register_autograd(_lb_backward, setup_context=_lb_setup)
 @torch.library.custom_op(f"{_LIB}::router_z_loss", mutates_args=())
 def _z_loss_op(logits: torch.Tensor) -> torch.Tensor:
     (logits,) = _detach(logits)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits})
-        return torch.tensor(_ref_route.router_z_loss(_np(logits)), dtype=torch.float64)
     with _core_call(logits.device) as stream:
         return _to_torch(blazecore.router_z_loss(logits, stream=stream))
 
@@ -278,11 +237,9 @@ def _(logits):
 @torch.library.custom_op(f"{_LIB}::router_z_loss_backward", mutates_args=())
 def _z_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     dloss, logits = _detach(dloss, logits)
-    if _is_f64(logits):
-        _check_f64_cpu({"logits": logits})
-        return torch.from_numpy(np.ascontiguousarray(_ref_route.router_z_loss_backward(float(dloss), _np(logits))))
     with _core_call(logits.device) as stream:
-        return _to_torch(blazecore.router_z_loss_backward(dloss.float().contiguous(), logits, stream=stream))
+        return _to_torch(blazecore.router_z_loss_backward(dloss.to(_loss_dtype(logits)).contiguous(), logits,
+                                                          stream=stream))
 
 
 @_z_loss_backward_op.register_fake
@@ -335,14 +292,6 @@ def _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L: int, K: int
                               a(pair_slot, "pair_slot"), L, K, int(expert_offsets.shape[0]) - 1)
 
 
-def _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation):
-    """Checks of the float64 reference path: devices and dtypes here, shapes by the core's rules
-    (``blazecore.moe.ffn_shapes``; the core's own intake covers the other dtypes)."""
-    _check_f64_cpu({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2})
-    ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, expert_ids.shape, activation=activation,
-               b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
-
-
 @torch.library.custom_op(f"{_LIB}::moe_forward", mutates_args=())
 def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
@@ -352,20 +301,6 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
     x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     L, K = expert_ids.shape
     R = w13.shape[1]
-    if _is_f64(x):
-        _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation)
-        if checkpoint not in blazecore.CHECKPOINTS:
-            raise ValueError(f"unknown checkpoint policy {checkpoint!r}")
-        n = (_np(b13), _np(b2))
-        disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
-        y = _ref_moe.moe_forward_ref(_np(x), _np(w13), _np(w2), _np(gates), _np(expert_ids), activation, *n)
-        if checkpoint == "ab":
-            # the layout the core keeps: slot s holds the pair (slot_token[s], slot_k[s])
-            z = _ref_moe.moe_preact_ref(_np(x), _np(w13), _np(expert_ids), n[0]).reshape(L * K, R)
-            ab = torch.from_numpy(np.ascontiguousarray(z[disp.slot_token.astype(np.int64) * K + disp.slot_k]))
-        else:
-            ab = x.new_empty((0, R))
-        return torch.from_numpy(y), ab
     with _core_call(x.device) as stream:
         disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
         y, saved = blazecore.moe_forward(x, w13, w2, gates, expert_ids, activation=activation, checkpoint=checkpoint,
@@ -391,27 +326,20 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dy, x, w13, w2, gates, ab, b13, b2 = _detach(dy, x, w13, w2, gates, ab, b13, b2)
     L, K = expert_ids.shape
-    if _is_f64(x):
-        _check_f64_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation)
-        _check_f64_cpu({"dy": dy})
-        g = _ref_moe.moe_backward_ref(_np(dy), _np(x), _np(w13), _np(w2), _np(gates), _np(expert_ids), activation,
-                                      _np(b13), _np(b2))
-        grads = [torch.from_numpy(np.ascontiguousarray(g[k])) for k in ("dx", "dw13", "dw2", "dgates")]
-    else:
-        if checkpoint == "ab" and (tuple(ab.shape) != (L * K, w13.shape[1]) or ab.dtype != x.dtype):
-            raise ValueError(f"ab: expected the forward's saved pre-activations, ({L * K}, {w13.shape[1]}) "
-                             f"{x.dtype}; got {tuple(ab.shape)} {ab.dtype}")
-        with _core_call(x.device) as stream:
-            a = _array.asarray
-            saved = blazecore.MoESaved(
-                a(x, "x"), a(w13, "w13"), a(w2, "w2"), a(gates, "gates"), a(expert_ids, "expert_ids"),
-                _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
-                None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
-                a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks)
-            # dz is written over ab (declared mutated): the backward's peak holds no second (L*K, R) buffer
-            g = blazecore.moe_backward(dy, saved, stream=stream, retain=False)
-        grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
-        g = {"db13": g.db13, "db2": g.db2}
+    if checkpoint == "ab" and (tuple(ab.shape) != (L * K, w13.shape[1]) or ab.dtype != x.dtype):
+        raise ValueError(f"ab: expected the forward's saved pre-activations, ({L * K}, {w13.shape[1]}) "
+                         f"{x.dtype}; got {tuple(ab.shape)} {ab.dtype}")
+    with _core_call(x.device) as stream:
+        a = _array.asarray
+        saved = blazecore.MoESaved(
+            a(x, "x"), a(w13, "w13"), a(w2, "w2"), a(gates, "gates"), a(expert_ids, "expert_ids"),
+            _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
+            None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
+            a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks)
+        # dz is written over ab (declared mutated): the backward's peak holds no second (L*K, R) buffer
+        g = blazecore.moe_backward(dy, saved, stream=stream, retain=False)
+    grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
+    g = {"db13": g.db13, "db2": g.db2}
     for key, b in (("db13", b13), ("db2", b2)):
         # custom ops return no None: an absent bias gets an empty gradient that autograd drops
         grads.append(x.new_empty((0,)) if b is None else _to_torch(g[key]))
