@@ -93,7 +93,8 @@ def _shrink(cfg) -> None:
 
 
 def build(family: Family, seed: int = 0):
-    """(experts module (float32, CPU, random weights), hidden size d, number of experts E) of a tiny config."""
+    """(experts module (float32, CPU, random weights), hidden size d, number of experts E) of a tiny config.
+    Random weights are drawn in float32 on the CPU, whatever device and dtype the check then moves them to."""
     import torch
 
     module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
@@ -128,7 +129,7 @@ def _run(experts, impl: str, x, ids, weights):
     x = x.clone().requires_grad_(True)
     weights = weights.clone().requires_grad_(True)
     y = experts(x, ids, weights)
-    dy = torch_randn_like(y, 3)
+    dy = torch_randn_like(y, 3).to(y.device)
     (y * dy).sum().backward()
     grads = {n: p.grad.clone() for n, p in experts.named_parameters() if p.grad is not None}
     return y.detach(), x.grad, weights.grad, grads
@@ -147,18 +148,21 @@ def _rel(a, b) -> float:
     return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-30))
 
 
-def check(family: Family) -> dict:
-    """Run the family's tiny experts module on "eager" and "blazecore"; return its table row."""
+def check(family: Family, device: str = "cpu", dtype=None, tol: float = TOL) -> dict:
+    """Run the family's tiny experts module on "eager" and "blazecore" (float32 on the CPU by default; the GPU
+    tests pass device="cuda" and bfloat16 or float32); return its table row."""
     import blazecore_torch.hf as hf
     import torch
 
+    dtype = dtype or torch.float32
     experts, d, E = build(family)
     row = {"family": family.name, "experts": family.experts, "flags": family.flags or "-",
            "gpu": "; ".join(hf.unsupported(experts, torch.device("cuda"))) or "runs"}
+    experts = experts.to(device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(TOKENS, d, generator=gen)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(TOKENS)])
-    weights = torch.rand(TOKENS, TOP_K, generator=gen)
+    x = torch.randn(TOKENS, d, generator=gen).to(device=device, dtype=dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(TOKENS)]).to(device)
+    weights = torch.rand(TOKENS, TOP_K, generator=gen).to(device=device, dtype=dtype)
     want = _run(experts, "eager", x, ids, weights)
     ours = copy.deepcopy(experts)
     try:
@@ -170,7 +174,7 @@ def check(family: Family) -> dict:
     errs.update({f"d{n}": _rel(got[3][n], g) for n, g in want[3].items()})
     if set(got[3]) != set(want[3]):
         errs["parameters with a gradient"] = float("inf")
-    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    bad = {k: v for k, v in errs.items() if not v <= tol}
     row["status"] = MATCHES if not bad else "MISMATCH " + ", ".join(f"{k} {v:.1e}" for k, v in bad.items())
     return row
 

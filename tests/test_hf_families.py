@@ -172,6 +172,20 @@ def test_torch_compile():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", [pytest.param(f, id=f"{f.name}-{f.experts}") for f in FAMILIES])
+def test_gpu_family_matches_eager_or_names_what_is_missing(family, dtype):
+    """Each family's tiny experts module on CUDA: "blazecore" matches "eager" (bf16: both round to bf16, so a
+    looser bound) or raises NotImplementedError, and then exactly what the GPU column of the table says."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    row = H.check(family, device="cuda", dtype=dtype, tol=H.TOL if dtype == torch.float32 else 3e-2)
+    status = row["status"]
+    assert status == H.MATCHES or status.startswith("NotImplementedError: "), status
+    assert (status == H.MATCHES) == (row["gpu"] == "runs"), (status, row["gpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_hf_families_report_what_is_missing(dtype):
     """On CUDA the gpt-oss layout (transposed, interleaved) raises NotImplementedError naming it (no per-step
     copy of the weights); Mixtral runs and matches eager."""
