@@ -199,3 +199,17 @@ def test_gpu_hf_families_report_what_is_missing(dtype):
     ours.set_experts_implementation(hf.BACKEND_NAME)
     tokens = torch.randint(3, 64, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     _compare(eager, ours, tokens, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_inductor():
+    """torch.compile (inductor) of a Mixtral model on CUDA in bfloat16: the blazecore experts ops inside the
+    compiled graph give the eager model's logits and gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    eager = _model(_mixtral_config(), dtype=torch.bfloat16).cuda()
+    ours = copy.deepcopy(eager)
+    ours.set_experts_implementation(hf.BACKEND_NAME)
+    compiled = torch.compile(ours)
+    tokens = torch.randint(3, 64, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    _compare(eager, ours, tokens, 3e-2, run=compiled)
