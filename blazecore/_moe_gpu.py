@@ -33,13 +33,12 @@ BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 
 NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
 _GATED = {"swiglu", "geglu", "swiglu_oai"}
-_GATED_IDS = {_ACT_IDS[a] for a in _GATED}
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 BM = BN = 128
 STAGES = 4
 NTHREADS = 256
 MODE_M, MODE_K = 0, 1
-EPI_ACT, EPI_ROWSCALE, EPI_DHCUR, EPI_WGRAD, EPI_WGRAD_HCUR = 0, 1, 2, 3, 4
+EPI_ACT, EPI_ROWSCALE, EPI_DHCUR, EPI_WGRAD = 0, 1, 2, 3
 _NULL = np.uint64(0)
 # How the sm_90a M-grouped kernels load the weight operand B: "tma" (cp.async.bulk.tensor with a tensor map, one
 # issuing thread per stage) or "cp_async" (16-byte copies by the 128 producer threads). The gathered A rows always
@@ -60,9 +59,7 @@ def _variants(act):
         "gemm2": (MODE_M, True, True, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
         "dhcur": (MODE_M, True, False, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
         "dx": (MODE_M, True, False, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
-        # dw2 = dy_g^T (g hcur), g * hcur recomputed from z as its tiles are loaded
-        "dw2": (MODE_K, False, False, EPI_WGRAD_HCUR, act, True, False),
-        "dw2_hg": (MODE_K, False, False, EPI_WGRAD, 0, True, False),  # dw2 from a stored g * hcur (fused_dw2=False)
+        "dw2": (MODE_K, False, False, EPI_WGRAD, 0, True, False),  # dw2 = dy_g^T (g hcur)
         "dw13": (MODE_K, False, False, EPI_WGRAD, 0, False, True),  # dw13 = dz^T x_g
     }
 
@@ -79,10 +76,9 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}>"
 
 
-def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, hcur_act=-1):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    tail = f", {hcur_act}" if hcur_act >= 0 else ""
-    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}{tail}>"
+    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}>"
 
 
 def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
@@ -90,12 +86,10 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
     ``b_load``: how an M-grouped kernel loads B (one of B_LOADS)."""
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
-    if which in ("dw2", "dw2_hg"):
+    if which == "dw2":
         # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
-        # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256; "dw2"
-        # recomputes A from z's slot rows as it is loaded (hcur_act), "dw2_hg" reads a stored g * hcur
-        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in,
-                             hcur_act=act if epi == EPI_WGRAD_HCUR else -1)
+        # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
+        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in)
     if mode == MODE_M:
         return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=b_load == "tma")
     return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in)
@@ -105,7 +99,7 @@ def _module_names90(ct, act):
     variants = _variants(act)
     names = [_name90(ct, k, v) for k, v in variants.items()]
     names += [_name90(ct, k, variants[k], b_load="tma") for k in variants if variants[k][0] == MODE_M]
-    return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw2_hg", "dw13")]
+    return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
 
 
 def _smem90(bn=BN90, staging=True):
@@ -116,18 +110,6 @@ def _smem90(bn=BN90, staging=True):
     nbar = 2 * stages + (9 if staging else 0)
     epi = 8 * 4096 if staging else 0
     return 1024 + stages * (128 + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
-
-
-def _smem90_wgrad(bn=BN90, hcur_act=-1):
-    """sm90::WgradCfg<bn, hcur_act>::SMEM_BYTES of the weight-gradient kernel: alignment slack, the stage ring (A
-    tile, with a gated hcur recompute the tile of z's up half, B tile; 3 stages of 64 KB then at bn = 256), with a
-    recompute each stage's 64 fp32 gates, the mbarriers (2 per stage, end rounded to 16 bytes). hcur_act = -1
-    (no recompute): _smem90(bn, staging=False)."""
-    up = hcur_act in _GATED_IDS
-    stages = (3 if bn == 256 else 4) if up else (4 if bn == 256 else 6)
-    stage = 128 * 128 * (2 if up else 1) + bn * 128
-    gates = stages * 64 * 4 if hcur_act >= 0 else 0
-    return 1024 + stages * stage + gates + -(-8 * 2 * stages // 16) * 16
 
 
 # The sm_90a M-grouped kernels: shared memory with the epilogue staging area, launched persistent (one CTA per SM).
@@ -158,15 +140,11 @@ _compile.register_kernels(
 )
 
 
-def _smem_bytes(itemsize, a_kmajor, b_kmajor, epi=EPI_WGRAD, act=0):
-    """moe_gemm's dynamic shared memory: STAGES stages of the A and B tiles; EPI_WGRAD_HCUR adds, per stage, the
-    tile of z's up half (gated activations) and the k-rows' fp32 gates."""
+def _smem_bytes(itemsize, a_kmajor, b_kmajor):
     bk, pad = 64 // itemsize, 16 // itemsize
     a = BM * (bk + pad) if a_kmajor else bk * (BM + pad)
     b = BN * (bk + pad) if b_kmajor else bk * (BN + pad)
-    if epi != EPI_WGRAD_HCUR:
-        return STAGES * (a + b) * itemsize
-    return STAGES * ((a + b * (2 if act in _GATED_IDS else 1)) * itemsize + 4 * bk)
+    return STAGES * (a + b) * itemsize
 
 
 class _Kernels:
@@ -178,14 +156,14 @@ class _Kernels:
         self.itemsize = np.dtype(dtype).itemsize
         self.names = _module_names(self.ct, self.act)
         self.variants = _variants(self.act)
-        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
-        # follows its own arch only: the memory model is a function of its arguments)
-        self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and (
-            _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0")
         self.gated = activation in _GATED
         self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
+        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
+        # follows its own arch only: the memory model is a function of its arguments)
+        self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and (
+            _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0")
 
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
@@ -195,11 +173,11 @@ class _Kernels:
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
-            smem = _smem90() if which in _M_GROUPED else _smem90_wgrad(hcur_act=v[4] if v[3] == EPI_WGRAD_HCUR else -1)
+            smem = _smem90(staging=which in _M_GROUPED)
             fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, self.b_load),
                                        module_names=names, max_dynamic_smem=smem)
             return fn, smem, NTHREADS90, BN90
-        smem = _smem_bytes(self.itemsize, v[1], v[2], v[3], v[4])
+        smem = _smem_bytes(self.itemsize, v[1], v[2])
         return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
 
     def tiles_n(self, which, n, gated=False):
@@ -214,7 +192,7 @@ def _ptr(a):
 def _b_map(kern, which, B, ldb, b_estride, E, N, Kd):
     """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
     by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2); N-major (E, Kd, N): 3-D
-    (N, Kd, E), box (64, 64)."""
+    (N, Kd, E), box (64, 64). Encoded on the host (no device work) and cached per pointer and shape."""
     if kern.b_load != "tma" or getattr(_array, "dry", lambda: None)() is not None:
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
@@ -361,8 +339,7 @@ def carry_arrays(sm90: bool, E: int, d: int, h: int, H2: int, bias13: bool, bias
     return [4 * g13 * BM * bn, 4 * g2 * BM * bn] + bias + [4 * E]
 
 
-def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False,
-             fused_dw2=True):
+def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):
     """Fill dx (L, d), dw13 (E, H2, d), dw2 (E, d, h), dgates (L, K) and the bias grads from dy (L, d).
 
     ``chunks`` as in :func:`forward` (the same chunks). dz is written over z (each element is read by the thread
@@ -370,7 +347,6 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
     when ``reuse_saved`` (which leaves ``saved.ab`` holding dz afterwards). That saves one (L*K, H2) buffer at the
     backward's peak. With several chunks the weight and bias gradients carry fp32 partial sums from chunk to
     chunk (see :class:`_Carry` and KTileWalk in moe_common.cuh): the result has the unchunked run's bits.
-    ``fused_dw2``: dw2 recomputes g * hcur from z inside its operand load (False: dh' stores g * hcur for it).
     """
     stream = _array.current_stream(stream)
     x, w13, w2, gates = saved.x, saved.w13, saved.w2, saved.gates
@@ -391,7 +367,7 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
         zc = z[t0 * K:t1 * K] if z is not None else None
         flags = (1 if i > 0 else 0) | (2 if i + 1 < len(chunks) else 0)
         _backward_chunk(kern, saved, dy[t0:t1], x[t0:t1], gates[t0:t1], disp, zc, reuse_saved, block_tokens,
-                        dx[t0:t1], dw13, dw2, dgates[t0:t1], db13, db2, carry, flags, stream, fused_dw2)
+                        dx[t0:t1], dw13, dw2, dgates[t0:t1], db13, db2, carry, flags, stream)
 
 
 def _block_starts(kern, disp, E, L, block_tokens, stream):
@@ -407,7 +383,7 @@ def _block_starts(kern, disp, E, L, block_tokens, stream):
 
 
 def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_tokens, dx, dw13, dw2, dgates, db13,
-                    db2, carry, flags, stream, fused_dw2=True):
+                    db2, carry, flags, stream):
     w13, w2 = saved.w13, saved.w2
     activation = saved.activation
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
@@ -419,60 +395,34 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         in_place = True
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen}
 
-    gated = H2 != h
+    # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur;
+    # then dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order. Both run per column slice of h when
+    # h is much wider than d (h_slices; not with a chunk carry, whose layout assumes one launch): the slice's
+    # (L*K, width) g * hcur rows are all the backward keeps of it, and every element has the same bits.
     tiles_nh = kern.tiles_n("dhcur", h)
-    if fused_dw2:
-        blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
-        # dw2_e = (g hcur)^T dy_g, reducing over the expert's slots in order, with g * hcur recomputed from z's slot
-        # rows inside the operand load (no (L*K, h) hcur or g * hcur exists); before dh' writes dz over z
-        zu = z[:, h:] if gated else None
+    bn_h = kern.gemm("dhcur")[3]
+    dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
+    part = _array.empty_gpu((LK, tiles_nh), np.float32).view
+    blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
+    gated = H2 != h
+    slices = h_slices(h, d) if carry is None else [(0, h)]
+    hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
+    for c0, c1 in slices:
+        w = c1 - c0
+        hg = hgbuf[:LK * w].reshape(LK, w)
+        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d, B=w2[:, :, c0:],
+                     ldb=h, b_estride=d * h, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
+                     out=dz[:, c0:], ldo=H2, o_estride=h if gated else 0, out2=hg, ldo2=w, aux=z[:, c0:],
+                     ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
         if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
-            _launch_gemm(kern, "dw2", E * -(-h // BM) * kern.tiles_n("dw2", d), stream, A=z, lda=H2, B=dy, ldb=d,
-                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=h, N=d, Kd=0, out=dw2, ldo=h,
-                         o_estride=d * h, aux=zu, ldaux=H2, gates=gates, topk=K, kblocks=blk, num_kblocks=nb,
-                         carry=carry and carry.dw2, **ck)
+            _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
         else:
-            _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", h), stream, A=dy, lda=d, B=z, ldb=H2,
-                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=h, Kd=0, out=dw2, ldo=h,
-                         o_estride=d * h, aux=zu, ldaux=H2, gates=gates, topk=K, kblocks=blk, num_kblocks=nb,
-                         carry=carry and carry.dw2, **ck)
-        # dh' = dy_g w2_e; hcur recomputed from z; dgates partials; dz = act backward (g folded in), over z in place
-        dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
-        part = _array.empty_gpu((LK, tiles_nh), np.float32).view
-        _launch_gemm(kern, "dhcur", _m_grid(LK, E, tiles_nh), stream, A=dy, lda=d, B=w2, ldb=h, b_estride=d * h,
-                     disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d, out=dz, ldo=H2, aux=z, ldaux=H2,
-                     gates=gates, topk=K, part=part, part_ld=tiles_nh)
-        del z
-    else:
-        # dh' = dy_g w2_e; recompute hcur from z; dgates partials; dz = act backward (g folded in); hg = g * hcur;
-        # then dw2_e = dy_g^T (g hcur), reducing over the expert's slots in order. Both run per column slice of h when
-        # h is much wider than d (h_slices; not with a chunk carry, whose layout assumes one launch): the slice's
-        # (L*K, width) g * hcur rows are all the backward keeps of it, and every element has the same bits.
-        bn_h = kern.gemm("dhcur")[3]
-        dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
-        part = _array.empty_gpu((LK, tiles_nh), np.float32).view
-        blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
-        slices = h_slices(h, d) if carry is None else [(0, h)]
-        hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
-        for c0, c1 in slices:
-            w = c1 - c0
-            hg = hgbuf[:LK * w].reshape(LK, w)
-            _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
-                         B=w2[:, :, c0:], ldb=h, b_estride=d * h, disp=disp, tile_offsets=tile_offsets, E=E, M=LK,
-                         N=w, Kd=d,
-                         out=dz[:, c0:], ldo=H2, o_estride=h if gated else 0, out2=hg, ldo2=w, aux=z[:, c0:],
-                         ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
-            if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
-                _launch_gemm(kern, "dw2_hg", E * -(-w // BM) * kern.tiles_n("dw2_hg", d), stream, A=hg, lda=w,
-                             B=dy, ldb=d, b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0,
-                             out=dw2[:, :, c0:], ldo=h, o_estride=d * h, kblocks=blk, num_kblocks=nb,
-                             carry=carry and carry.dw2, **ck)
-            else:
-                _launch_gemm(kern, "dw2_hg", E * -(-d // BM) * kern.tiles_n("dw2_hg", w), stream, A=dy, lda=d,
-                             B=hg, ldb=w, b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0,
-                             out=dw2[:, :, c0:], ldo=h, o_estride=d * h, kblocks=blk, num_kblocks=nb,
-                             carry=carry and carry.dw2, **ck)
-        del z, hg, hgbuf
+            _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
+                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
+    del z, hg, hgbuf
     warps = 8
     b2 = saved.b2
     kern.fn(f"blz::moe_dgates<{kern.ct}>")(

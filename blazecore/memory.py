@@ -17,8 +17,8 @@ comes to about:
     forward peak  = y (L d b) + dispatch (~12 L K) + z_ab (L K R b) + chunk [hcur (Lc K h b) + o (Lc K w b)]
                     (w: the widest column slice of o, at most 1024)
     backward peak = y + dispatch + z_ab + grads (L d b + E R d b + E d h b + 4 L K) + carry (c > 1: 4 E (R d + d h))
-                    + chunk [z_none (Lc K R b) + blk + max(part (4 Lc K h / 256), dx rows (Lc K d b))]
-                    (no (Lc K, h) hcur or g * hcur: dw2 recomputes g * hcur from z as it loads it)
+                    + chunk [z_none (Lc K R b) + blk + max(part (4 Lc K h / 256) + hg (Lc K w b), dx rows (Lc K d b))]
+                    (hg: the g * hcur rows of one column slice of h, w at most d; all of h with several chunks)
 
 :func:`plan_chunks` picks the smallest chunk count (and, when asked, the checkpoint policy) whose predicted peak
 fits a budget: bytes, or a fraction of the device's free memory.

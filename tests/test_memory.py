@@ -127,8 +127,7 @@ def test_model_terms(checkpoint):
     fwd = L * d * b + disp + z + 512 + LK * h * b + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
     grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
     zc = LK * 2 * h * b if checkpoint == "none" else 0
-    # no (L*K, h) g * hcur: dw2 recomputes it from z; then the dgates partials, or the per-slot dx rows
-    bwd = L * d * b + disp + z + grads + 512 + zc + max(4 * LK * 4, LK * d * b)
+    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * h * b + 4 * LK * 4, LK * d * b)
     assert est.held_bytes == disp + z
     assert est.forward_peak_bytes >= fwd  # + the dispatch build's transient workspace
     assert est.forward_peak_bytes - fwd <= 4 * (64 * E + E) + 512

@@ -405,40 +405,6 @@ def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sm90", [pytest.param(True, id="sm90"), pytest.param(False, id="mmasync")])
-@pytest.mark.parametrize("checkpoint", ["ab", "none"])
-@pytest.mark.parametrize("activation", ACT_PARAMS)
-@pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("bf16", "f32")])
-def test_dw2_hcur_recompute_gpu(dname, activation, checkpoint, sm90, monkeypatch):
-    """dw2 with g * hcur recomputed from z inside its operand load, as the backward runs it (before dh' writes dz
-    over z): dw2 right against the reference, unchunked and chunked (biases, empty experts, a partial last tile);
-    every gradient with the same bits run to run, between 1 and several chunks, and as with a stored g * hcur."""
-    import cupy
-
-    from blazecore import _moe_gpu
-
-    if not sm90 and dname == "f32":
-        pytest.skip("fp32 always runs the mma.sync kernels")
-    monkeypatch.setenv("BLAZECORE_SM90", "1" if sm90 else "0")
-    case = Case("hcur", 515, 96, 80, 16, 2, "few")
-    inp = _inputs(case, dname, activation, True)
-    dev = _on(inp, "gpu")
-    exp = _expected(case, dname, activation, True)
-    runs = {}
-    for label, kw in (("whole", {}), ("again", {}), ("chunked", {"chunks": 3})):
-        _, _, grads = _run(dev, activation, checkpoint, block_tokens=128, **kw)
-        cupy.cuda.Device().synchronize()
-        assert_close(grads.dw2, exp[1]["dw2"], TOL[DTYPES[dname]], f"{label}: dw2")
-        runs[label] = grads
-    with monkeypatch.context() as m:
-        m.setattr(_moe_gpu, "backward", functools.partial(_moe_gpu.backward, fused_dw2=False))
-        _, _, runs["stored"] = _run(dev, activation, checkpoint, block_tokens=128)
-    for label in ("again", "chunked", "stored"):
-        for key in GRAD_KEYS:
-            assert _bytes(getattr(runs[label], key)) == _bytes(getattr(runs["whole"], key)), f"{label}: {key}"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES
                                   if c.name in ("L63", "odd", "empty_experts", "one_expert", "tiles", "wide_d",

@@ -5,9 +5,7 @@
 //     are gathered through slot_token on the fly (x in the forward, dy in the backward), so no L*K x d
 //     copy of x or dy ever exists. Tiles per expert come from expert_offsets on the device (no host sync).
 //   K-grouped (MODE_K): W_e[m, n] = sum_{s in e} A[row(s), m] * B[row(s), n], reducing over the expert's
-//     slots in a fixed order (deterministic weight gradients). EPI_WGRAD_HCUR (dw2): B[s, n] = g(s) * hcur[s, n]
-//     is recomputed from the pre-activations z as each stage lands (B = z's gate half or all of z, aux = z's up
-//     half, gates by slot), so no (L*K, h) hcur ever exists.
+//     slots in a fixed order (deterministic weight gradients).
 // Operands are staged into shared memory with 16-byte cp.async in a 4-stage pipeline; fragments are
 // loaded with ldmatrix (.trans for operands stored m/n-contiguous) and multiplied with mma.sync m16n8k16
 // (fp32 accumulators). The fp32 instantiation (tests) uses the same tiles and fragment ownership with
@@ -45,7 +43,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z; its
                                                       // o_estride: z / dz up-half offset, 0 = N)
     T* __restrict__ out2, long long ldo2,
-    const T* aux, long long ldaux,                    // z read by EPI_DHCUR; z's up half by EPI_WGRAD_HCUR
+    const T* aux, long long ldaux,                    // z (pre-activations) read by EPI_DHCUR
     const T* __restrict__ bias, long long bias_estride,
     const float* __restrict__ gates, int topk,        // (L, K) gates, gate(s) = gates[slot_token[s]*K + slot_k[s]]
     float* __restrict__ part, int part_ld,            // (L*K, tiles_n) dgates partial sums
@@ -55,17 +53,11 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
   using TL = Tile<T>;
   constexpr int BK = TL::BK, EPC = TL::EPC, PAD = TL::PAD;
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
-  // EPI_WGRAD_HCUR: the B stage holds z's slot rows (gate half), HCUR_UP a second tile the up half, and a vector the
-  // gate of each k-row; B is turned into g * hcur in place before the fragments are read
-  constexpr bool HCUR = EPI == EPI_WGRAD_HCUR, HCUR_UP = HCUR && act_gated(ACT);
-  static_assert(!HCUR || (MODE == MODE_K && !B_KMAJOR && !B_GATHER), "hcur recompute: B = z rows by slot");
   constexpr int A_ELEMS = tile_elems<T, A_KMAJOR, BM>();
   constexpr int B_ELEMS = tile_elems<T, B_KMAJOR, BN>();
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* As = reinterpret_cast<T*>(smem_raw);
   T* Bs = As + STAGES * A_ELEMS;
-  T* Us = Bs + STAGES * B_ELEMS;                                                   // HCUR_UP: z's up half
-  float* Gs = reinterpret_cast<float*>(Us + (HCUR_UP ? STAGES * B_ELEMS : 0));  // HCUR: gate of each k-row
   __shared__ float red[BM * WARPS_N];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -166,18 +158,6 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
         const bool ok = (s < tend) && (n < N);
         const long long row = ok ? (B_GATHER ? (long long)__ldg(slot_token + s) : (long long)s) : 0;
         cp_async16(bs + r * (BN + PAD) + cc * EPC, B + row * ldb + (ok ? n : 0), ok ? 16 : 0);
-        if constexpr (HCUR_UP) {
-          cp_async16(Us + stage * B_ELEMS + r * (BN + PAD) + cc * EPC, aux + row * ldaux + (ok ? n : 0),
-                     ok ? 16 : 0);
-        }
-      }
-      if constexpr (HCUR) {  // the gate of each k-row (0 past the expert's slots)
-        if (tid < BK) {
-          const int s = t0 + tid;
-          const bool ok = s < tend;
-          const float* src = ok ? gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s) : gates;
-          cp_async4(Gs + stage * BK + tid, src, ok ? 4 : 0);
-        }
       }
     }
   };
@@ -223,24 +203,6 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     const int nk = kt + STAGES - 1;
     if (nk < num_kt) load_stage(nk % STAGES, nk);
     cp_async_commit();
-    if constexpr (HCUR) {
-      // B = g * hcur from the landed z rows, in place (each 16-byte chunk read and rewritten by one thread; zero
-      // rows and columns stay zero: act(0) * 0, or a zero gate)
-      constexpr int CPRB = BN / EPC;
-      T* bz = Bs + (kt % STAGES) * B_ELEMS;
-      const T* uz = Us + (kt % STAGES) * B_ELEMS;
-      const float* gk = Gs + (kt % STAGES) * BK;
-      static_assert(BK * CPRB % NTHREADS == 0, "whole chunks per thread");
-#pragma unroll
-      for (int i = 0; i < BK * CPRB / NTHREADS; ++i) {
-        const int c = tid + i * NTHREADS;
-        const int off = (c / CPRB) * (BN + PAD) + (c % CPRB) * EPC;
-        const uint4 a = *reinterpret_cast<const uint4*>(bz + off);
-        const uint4 b = HCUR_UP ? *reinterpret_cast<const uint4*>(uz + off) : a;
-        *reinterpret_cast<uint4*>(bz + off) = g_hcur16<T, ACT>(a, b, gk[c / CPRB]);
-      }
-      __syncthreads();
-    }
     const T* as = As + (kt % STAGES) * A_ELEMS;
     const T* bs = Bs + (kt % STAGES) * B_ELEMS;
     if constexpr (sizeof(T) == 2) {
@@ -307,7 +269,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
   cp_async_wait<0>();
 
   // ---- epilogues -----------------------------------------------------------------------------------
-  if constexpr (EPI == EPI_WGRAD || EPI == EPI_WGRAD_HCUR) {
+  if constexpr (EPI == EPI_WGRAD) {
     if (flags & 2) {  // partial sums for a later launch, in this CTA's private fp32 slice of carry
       float* cb = carry + (long long)blockIdx.x * ACC_N * NTHREADS + tid;
 #pragma unroll
@@ -372,7 +334,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           if (n < N) epi_rowscale<T>(be, out, ldo, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1], gs);
         }
       }
-  } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h); out = dz (may alias aux = z), out2 = g * hcur or null
+  } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h); out = dz (may alias aux = z), out2 = g * hcur
     // a nonzero o_estride is the up half's column offset in z / dz (a launch over a column slice of h); 0: N
     const int zup = o_estride ? static_cast<int>(o_estride) : N;
 #pragma unroll

@@ -106,15 +106,6 @@ template <int ACT> __device__ __forceinline__ float up_grad(float b) {
 // hcur of a gated activation from the gate value a and the up value b
 template <int ACT> __device__ __forceinline__ float gated_f(float a, float b) { return act_f<ACT>(a) * up_f<ACT>(b); }
 
-// hcur of one element from its pre-activations (bias included): gated_f(a, b) gated, act(a) otherwise (b unused)
-template <int ACT> __device__ __forceinline__ float hcur_f(float a, float b) {
-  if constexpr (act_gated(ACT)) {
-    return gated_f<ACT>(a, b);
-  } else {
-    return act_f<ACT>(a);
-  }
-}
-
 // ---- async copies and tensor-core fragments -------------------------------------------------------
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -122,10 +113,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 // 16-byte global->shared copy that bypasses L1; src_bytes = 0 zero-fills (out-of-range rows/cols).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
-}
-// 4-byte global->shared copy (cp.async.cg moves 16 bytes only, so this one goes through L1); src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -163,7 +150,6 @@ enum Epi : int {
   EPI_ROWSCALE = 1,  // out = (acc + bias) * gate(slot)   (forward w2 GEMM; dx GEMM without scale)
   EPI_DHCUR = 2,     // dh' = acc; recompute hcur from z; dgates partials; dz = act backward; hg = g * hcur
   EPI_WGRAD = 3,     // per-expert weight gradient tile store
-  EPI_WGRAD_HCUR = 4,  // EPI_WGRAD whose slot-indexed operand is g * hcur, recomputed from z as it is loaded
 };
 
 // The expert owning global m-tile v: the largest e with offs[e] <= v (experts with no tile repeat a value).
@@ -322,22 +308,8 @@ __device__ __forceinline__ float epi_dhcur(const T* z, long long ldz, int N, T* 
   const DhcurPair r = dhcur_math<ACT>(a0, a1, b0, b1, d0, d1, gs);
   store2<T>(dzr + n, r.da0, r.da1);
   if constexpr (act_gated(ACT)) store2<T>(dzr + N + n, r.db0, r.db1);
-  if (hg) store2<T>(hg + (long long)s * ldhg + n, r.hg0, r.hg1);
+  store2<T>(hg + (long long)s * ldhg + n, r.hg0, r.hg1);
   return r.p;
-}
-
-// g * hcur of the elements of one 16-byte chunk of z (a: gate half, or the whole pre-activations; b: the up half,
-// gated only), as the weight gradient's operand: the same expression, so the same bits, as dhcur_math's hg.
-template <typename T, int ACT> __device__ __forceinline__ uint4 g_hcur16(uint4 a, uint4 b, float gs) {
-  constexpr int N = 16 / sizeof(T);
-  const T* av = reinterpret_cast<const T*>(&a);
-  const T* bv = reinterpret_cast<const T*>(&b);
-  uint4 r;
-  T* rv = reinterpret_cast<T*>(&r);
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    rv[i] = from_f<T>(gs * hcur_f<ACT>(to_f<T>(av[i]), act_gated(ACT) ? to_f<T>(bv[i]) : 0.f));
-  return r;
 }
 
 }  // namespace blz

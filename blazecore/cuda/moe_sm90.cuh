@@ -83,27 +83,6 @@ template <int BN, bool STAGING = true> struct Cfg {
   static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
-// Shared memory of the weight-gradient kernel (base aligned to 1024): the stage ring, then with HCUR_ACT >= 0 (A =
-// g * hcur recomputed from z) STAGES vectors of BK fp32 gates, then the mbarriers (STAGES full, STAGES empty;
-// 16-byte aligned end). A stage: the A tile (with HCUR_ACT >= 0: z's gate half, or all of z, turned into g * hcur in
-// place), for gated activations the tile of z's up half, then the B tile; every tile 1024-byte aligned. Gated
-// recompute at BN = 256: 3 stages of 64 KB; otherwise Cfg<BN, false>'s stages and bytes.
-template <int BN, int HCUR_ACT = -1> struct WgradCfg {
-  static constexpr bool RECOMPUTE = HCUR_ACT >= 0;
-  static constexpr bool UP = RECOMPUTE && act_gated(HCUR_ACT);
-  static constexpr int A_BYTES = BM * ROW_BYTES;    // 16 KB
-  static constexpr int U_BYTES = UP ? A_BYTES : 0;  // z's up half (gated recompute)
-  static constexpr int B_OFFSET = A_BYTES + U_BYTES;
-  static constexpr int B_BYTES = BN * ROW_BYTES;
-  static constexpr int STAGE_BYTES = B_OFFSET + B_BYTES;
-  static constexpr int STAGES = UP ? (BN == 256 ? 3 : 4) : (BN == 256 ? 4 : 6);
-  static constexpr int GATE_OFFSET = STAGES * STAGE_BYTES;
-  static constexpr int BAR_OFFSET = GATE_OFFSET + (RECOMPUTE ? STAGES * BK * 4 : 0);
-  static constexpr int SMEM_BYTES = 1024 + BAR_OFFSET + ((8 * 2 * STAGES + 15) & ~15);
-};
-static_assert(WgradCfg<256>::SMEM_BYTES == Cfg<256, false>::SMEM_BYTES, "plain weight gradient: Cfg's layout");
-static_assert(WgradCfg<128>::SMEM_BYTES == Cfg<128, false>::SMEM_BYTES, "plain weight gradient: Cfg's layout");
-
 // ---- PTX wrappers ------------------------------------------------------------------------------------
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -111,10 +90,6 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 // Arrive on the mbarrier once every cp.async this thread issued so far has landed (count not raised).
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// 4-byte copy through L1 (cp.async.cg moves 16 bytes only); src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async4_s(unsigned dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
@@ -334,14 +309,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
 // Named barrier 1 over the two consumer warpgroups (the producer warpgroup does not take part).
 __device__ __forceinline__ void consumer_bar_sync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(128 * CONSUMER_WGS) : "memory");
-}
-// Named barrier 2 + cw over consumer warpgroup cw (0 or 1) alone (immediate ids: ptxas reserves only those).
-__device__ __forceinline__ void wg_bar_sync(int cw) {
-  if (cw == 0) {
-    asm volatile("bar.sync 2, 128;\n" ::: "memory");
-  } else {
-    asm volatile("bar.sync 3, 128;\n" ::: "memory");
-  }
 }
 template <typename T> __device__ __forceinline__ float2 unpack2(unsigned v);
 template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned v) {
@@ -851,8 +818,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             T* dzr = out + (long long)s * ldo + nc;
             *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
             if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
-            if (out2)
-              *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+            *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
           }
         }
         // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
@@ -911,15 +877,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 
 // OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
 // wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
-// HCUR_ACT >= 0 (dw2): A[s, m] = g(s) * hcur[s, m] is recomputed from the pre-activations as each stage lands, for
-// activation HCUR_ACT: A = z's gate half (or all of z) by slot, lda = z's row stride, aux / ldaux = z's up half
-// (gated), gates / topk / slot_k give g(s). The producer copies the z tiles (gated: gate and up, WgradCfg) and each
-// k-row's gate (4-byte cp.async); after the stage's full barrier each consumer warpgroup rewrites its own A atom
-// (64 slots x 64 columns: 2 threads a row, 4 chunks each) as g * hcur in place with the epilogues' act helpers
-// (hg's bits: g_hcur16), fences into the async proxy and meets at a warpgroup barrier, then issues its wgmmas; the
-// rewrite of k-tile kt runs while the wgmmas of kt - 1 are in flight. Nothing of size (L*K, h) is read or written.
-template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
-          int HCUR_ACT = -1>
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -940,9 +898,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
-  using C = sm90::WgradCfg<BN, HCUR_ACT>;  // no epilogue staging area, no tile descriptors
+  using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
   constexpr int STAGES = C::STAGES;
-  static_assert(!C::RECOMPUTE || (!A_GATHER && B_GATHER), "hcur recompute: A = z rows by slot, B gathered");
   constexpr int EPC = 8;                         // elements per 16-byte chunk
   constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
   static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");
@@ -984,7 +941,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const int ca = lane % CPA, ra = lane / CPA, cb = lane % CPB, rb = lane / CPB;
     const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
     const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
-    const T* Uc = C::UP ? aux + m0 + ca * EPC : A;  // hcur recompute, gated: z's up half
     const T* Bc = B + n0 + cb * EPC;
     // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
     const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
@@ -996,35 +952,18 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       return s < tend ? __ldg(slot_token + s) : -1;
     };
     int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
-    // hcur recompute: slot_k of the same row, for its gate gates[tok * topk + k]
-    auto slot_kof = [&](int t0, int tend) -> int {
-      const int s = t0 + rw + (lane & 15);
-      return s < tend ? __ldg(slot_k + s) : 0;
-    };
-    int kq_next = (C::RECOMPUTE && num_kt > 0) ? slot_kof(walk.t0, walk.end()) : 0;
 
     int stage = 0;
     unsigned phase = 0;
     for (int kt = 0; kt < num_kt; ++kt) {
-      const int tok = tok_next, kq = kq_next;
+      const int tok = tok_next;
       const int t0 = walk.t0, tend = walk.end();
       walk.next();
       if constexpr (A_GATHER || B_GATHER) {
         if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
       }
-      if constexpr (C::RECOMPUTE) {
-        if (kt + 1 < num_kt) kq_next = slot_kof(walk.t0, walk.end());
-      }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
-      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::B_OFFSET;
-      if constexpr (C::RECOMPUTE) {
-        // lanes 0..15: the gate of k-row rw + lane (0 past the expert's slots)
-        if (lane < 16) {
-          const bool ok = tok >= 0;
-          sm90::cp_async4_s(sbase + C::GATE_OFFSET + (stage * BK + rw + lane) * 4,
-                            ok ? gates + (long long)tok * topk + kq : gates, ok ? 4 : 0);
-        }
-      }
+      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPA; ++i) {
         const int rl = RPA * i + ra;  // k-row within the warp's 16
@@ -1036,9 +975,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
           row = (t0 + r < tend) ? t0 + r : -1;
         }
         const bool ok = a_cok && row >= 0;
-        const unsigned dst = as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4));
-        sm90::cp_async16_s(dst, ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
-        if constexpr (C::UP) sm90::cp_async16_s(dst + C::A_BYTES, ok ? Uc + (long long)row * ldaux : A, ok ? 16 : 0);
+        sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                           ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
       }
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPB; ++i) {
@@ -1080,33 +1018,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     }
 
     const unsigned long long da0 = sm90::make_desc(sbase + cw * ATOM_BYTES, ATOM_BYTES, 1024);
-    const unsigned long long db0 = sm90::make_desc(sbase + C::B_OFFSET, ATOM_BYTES, 1024);
+    const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
     constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
 
     int stage = 0;
     unsigned phase = 0;
     sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
                                     [&](unsigned long long soff, int kt) {
-      if constexpr (C::RECOMPUTE) {
-        // A atom cw = g * hcur of the landed z rows: thread t rewrites chunks 4 (t % 2) + [0, 4) of k-row t / 2
-        // (8 threads of a quarter warp hit 8 distinct 16-byte bank groups), then fence and warpgroup barrier
-        const unsigned ab = sbase + static_cast<unsigned>(soff << 4) + cw * ATOM_BYTES;
-        const int r = t >> 1;
-        const float gs = __uint_as_float(sm90::ld_shared_u32(sbase + C::GATE_OFFSET + ((kt % STAGES) * BK + r) * 4));
-        unsigned off[4];
-        uint4 za[4], zb[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          off[i] = static_cast<unsigned>(r * ROW_BYTES + (((((t & 1) << 2) + i) ^ (r & 7)) << 4));
-          za[i] = sm90::ld_shared_v4(ab + off[i]);
-          zb[i] = C::UP ? sm90::ld_shared_v4(ab + C::A_BYTES + off[i]) : za[i];
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          sm90::st_shared_v4(ab + off[i], g_hcur16<T, C::RECOMPUTE ? HCUR_ACT : 0>(za[i], zb[i], gs));
-        sm90::fence_proxy_async_smem();  // generic writes -> the wgmmas' async-proxy reads
-        sm90::wg_bar_sync(cw);
-      }
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
