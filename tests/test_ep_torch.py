@@ -128,35 +128,37 @@ def _titan_moe(d, F, E, K, seed=0):
             token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K)))
 
 
-def test_torchtitan_experts_backend():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torchtitan_experts_backend(device):
     """torchtitan's MoE with blazecore's experts (blazecore_torch.titan) against its grouped_mm experts (which
-    compute in bf16): output and every gradient, then a few optimizer steps of both."""
+    compute in bf16): output and every gradient, then a few optimizer steps. On the GPU the shapes are larger
+    (d=256, F=128, E=8, K=2, 2 x 512 tokens) and the parameters float32 (blazecore's float32 kernels)."""
     pytest.importorskip("torchtitan")
     from blazecore_torch.titan import use_blazecore_experts
 
-    d, F, E, K = 16, 8, 4, 2
-    stock = _titan_moe(d, F, E, K).build()
+    d, F, E, K, B, T = (16, 8, 4, 2, 2, 7) if device == "cpu" else (256, 128, 8, 2, 2, 512)
     torch.manual_seed(0)
+    stock = _titan_moe(d, F, E, K).build().to(device)
     for p in stock.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    ours = use_blazecore_experts(_titan_moe(d, F, E, K)).build()
+        torch.nn.init.normal_(p, std=d ** -0.5)
+    ours = use_blazecore_experts(_titan_moe(d, F, E, K)).build().to(device)
     assert type(ours.routed_experts.inner_experts).__name__ == "BlazecoreGroupedExperts"
     ours.load_state_dict(stock.state_dict())
-    x = torch.randn(2, 7, d)
+    x = torch.randn(B, T, d, device=device)
     outs = []
     for m in (stock, ours):
         xx = x.clone().requires_grad_(True)
         y = m(xx)
-        (y * torch.linspace(-1, 1, d)).sum().backward()
+        (y * torch.linspace(-1, 1, d, device=device)).sum().backward()
         outs.append({"y": y, "dx": xx.grad, **{n: p.grad for n, p in m.named_parameters()}})
     for name, want in outs[0].items():
         got = outs[1][name]
         err = ((got.double() - want.double()).norm() / want.double().norm()).item()
         assert err < 2e-2, f"{name}: relative norm error {err:.2e} against torchtitan's bf16 grouped_mm experts"
-    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
-    target = torch.randn(2, 7, d)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    target = torch.randn(B, T, d, device=device)
     losses = []
-    for _ in range(4):
+    for _ in range(5):
         opt.zero_grad()
         loss = ((ours(x) - target) ** 2).mean()
         loss.backward()
