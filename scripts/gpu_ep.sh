@@ -37,7 +37,7 @@ step() {  # step NAME COMMAND...: run it, log to $OUT/NAME.log, remember a failu
 { nvidia-smi || true; git log -1 --oneline 2>/dev/null || true; } >"$OUT/machine.txt" 2>&1
 step gpu-tests "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-ep-tests.xml" \
   tests/test_ep_torch.py tests/test_ep_jax.py
-step cpu-tests "$PY" -m pytest -q -p no:cacheprovider tests/test_ep_torch.py tests/test_ep_jax.py
+step cpu-tests "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider tests/test_ep_torch.py tests/test_ep_jax.py
 step bench-ep "$PY" bench/bench_ep.py --results-dir "$OUT" "$@"
 cp "$OUT"/ep_*.json bench/results/ 2>/dev/null || true
 
