@@ -2,7 +2,8 @@
 
 Every public op takes any DLPack array (``__dlpack__`` / ``__dlpack_device__``): NumPy, CuPy,
 PyTorch, JAX, ... CUDA arrays become zero-copy CuPy views and run the kernels; CPU arrays become
-zero-copy NumPy views and run the NumPy reference.
+zero-copy NumPy views and run the NumPy reference, whose results go back as the caller's array type
+(:func:`like_caller`: torch tensors for torch inputs, JAX arrays for JAX inputs).
 
 bfloat16: CuPy has no bfloat16 dtype, so on the GPU a bf16 array is held as a ``cupy.uint16`` view of
 the same bits (no op of blazecore takes real uint16 data, so the storage dtype names the logical one).
@@ -18,6 +19,7 @@ import contextlib
 import contextvars
 import ctypes
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -92,13 +94,21 @@ def _retag_bf16_as_uint16(obj):
 def asarray(obj: Any, name: str = "array"):
     """Zero-copy view of a DLPack array: ``cupy.ndarray`` for CUDA memory, ``numpy.ndarray`` for CPU.
 
-    Raises TypeError for objects that are not arrays and ValueError for unsupported devices.
+    Raises TypeError for objects that are not arrays (a torch tensor that requires grad and a JAX tracer say
+    what to pass instead) and ValueError for unsupported devices.
     """
     if isinstance(obj, (np.ndarray, Placeholder)):
         return obj
     mod = type(obj).__module__.split(".")[0]
     if mod == "cupy":
         return obj
+    fw = framework(obj)
+    if fw == "torch" and getattr(obj, "requires_grad", False):
+        raise TypeError(f"{name}: a torch tensor that requires grad (DLPack cannot export it); pass {name}.detach(), "
+                        f"or call blazecore_torch's ops for autograd")
+    if fw == "jax" and "Tracer" in type(obj).__name__:
+        raise TypeError(f"{name}: a JAX tracer (inside jit, grad or vmap) has no data to read; pass a concrete "
+                        f"array, or call blazecore_jax's ops, which work under jit")
     if not hasattr(obj, "__dlpack_device__"):
         if isinstance(obj, (list, tuple, int, float)):
             return np.asarray(obj)
@@ -120,6 +130,39 @@ def asarray(obj: Any, name: str = "array"):
             cap, _ = _retag_bf16_as_uint16(obj)
             return cp.from_dlpack(_RetaggedCapsule(cap, (dev_type, dev_id)))
     raise ValueError(f"{name}: unsupported DLPack device type {dev_type} (only CPU and CUDA arrays)")
+
+
+def framework(obj) -> str | None:
+    """"torch" or "jax" when ``obj`` is that framework's array (by its type's module: nothing is imported), else
+    None."""
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    return None
+
+
+def like_caller(result, caller):
+    """An op's result as the caller's array type: a NumPy result (the CPU path) becomes a torch tensor or a JAX
+    array when ``caller`` (the array the caller passed first) is one, through DLPack (zero-copy where the
+    framework allows; JAX copies what it cannot share). Anything else (CuPy, an ``out=`` buffer, None) is
+    returned as it is. The framework is the caller's own, already imported: it is looked up, never imported."""
+    if not isinstance(result, np.ndarray):
+        return result
+    fw = framework(caller)
+    if fw == "torch":
+        torch = sys.modules["torch"]
+        if result.dtype == BF16:
+            return torch.from_dlpack(result.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_dlpack(result)
+    if fw == "jax":
+        jnp = sys.modules["jax"].numpy
+        try:
+            return jnp.from_dlpack(result)
+        except (BufferError, TypeError, RuntimeError, ValueError):
+            return jnp.asarray(result)  # e.g. bfloat16, which NumPy's DLPack export does not describe
+    return result
 
 
 def is_gpu(arr) -> bool:

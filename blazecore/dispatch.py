@@ -460,6 +460,9 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True, strea
         from .reference.dispatch import build_dispatch as reference_build
 
         offsets, slot_token, slot_k, pair_slot = reference_build(ids, num_experts)
+        # the caller's array type (torch, JAX) where it passed one
+        offsets, slot_token, slot_k, pair_slot = (_array.like_caller(a, expert_ids)
+                                                  for a in (offsets, slot_token, slot_k, pair_slot))
         return Dispatch(offsets, slot_token, slot_k, pair_slot, num_tokens, top_k, num_experts)
     if stream is None:
         return _build_gpu(ids, num_experts, num_tokens, top_k, _array.current_stream(None), validate)

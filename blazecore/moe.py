@@ -20,6 +20,8 @@ hcur from them; "none" keeps nothing more and the backward recomputes the first 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import _array, _moe_gpu, _validate
@@ -43,6 +45,7 @@ from .dispatch import Dispatch, build_dispatch
 from .memory import _budget_bytes, plan_chunks
 
 _FLOAT_TYPES = (np.float32, np.float16, _array.BF16)
+_DISPATCH_ARRAYS = ("expert_offsets", "slot_token", "slot_k", "pair_slot")
 
 
 def moe_flops(L: int, d: int, h: int, K: int, activation: str = "swiglu") -> int:
@@ -253,8 +256,12 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             inputs, bad id values (when the dispatch is built here, or always on the CPU).
         FloatingPointError: (check_finite=True) an input holds NaN or inf.
     """
+    caller = x
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
+    if isinstance(dispatch, Dispatch):  # its arrays as the intake's views (a CPU one may hold torch tensors)
+        dispatch = dataclasses.replace(dispatch, **{f: _array.asarray(getattr(dispatch, f), f"dispatch.{f}")
+                                                    for f in _DISPATCH_ARRAYS})
     if check_finite:
         _validate.check_finite_arrays({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2}, stream)
     if memory_budget is not None:
@@ -274,7 +281,8 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
                             chunking)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
-    return _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking)
+    y, saved = _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking)
+    return _array.like_caller(y, caller), saved
 
 
 def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=None, out_dgates=None,
@@ -310,6 +318,7 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
     if isinstance(saved, MoESaved) and saved.consumed:
         raise RuntimeError("this MoESaved was consumed by an earlier moe_backward (its saved pre-activations "
                            "were overwritten); pass retain=True to the first backward to run another")
+    caller = dy
     dy, gpu = _intake_backward(dy, saved)
     if check_finite:
         _validate.check_finite_arrays({"dy": dy}, stream)
@@ -317,7 +326,8 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
         return _backward_gpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
-    return _backward_cpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates)
+    grads = _backward_cpu(dy, saved, out_dx, out_dw13, out_dw2, out_dgates)
+    return MoEGrads(*(_array.like_caller(g, caller) for g in grads))
 
 
 # ---------------------------------------------------------------------------------------------

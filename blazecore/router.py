@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _array, _compile, _validate
-from ._array import BF16, logical_dtype
+from ._array import BF16, like_caller, logical_dtype
 from .reference import router as _ref
 
 __all__ = [
@@ -424,7 +424,7 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
         g, i = _ref.route_topk_forward(x, K, score=score, renormalize=renormalize, expert_bias=bias)
         gates.view[...] = g
         ids.view[...] = i
-    return gates.user, ids.user
+    return like_caller(gates.user, logits), like_caller(ids.user, logits)
 
 
 def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormalize=True, out=None, stream=None,
@@ -466,7 +466,7 @@ def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormal
     else:
         _check_id_values(ids, E, "expert_ids", distinct=True)
         dx.view[...] = _ref.route_topk_backward(dg, x, ids, score=score, renormalize=renormalize).astype(dt)
-    return dx.user
+    return like_caller(dx.user, logits)
 
 
 def _aux_forward(x, ids, want_lb: bool, want_z: bool, out, stream):
@@ -515,7 +515,7 @@ def load_balancing_loss(logits, expert_ids, *, out=None, stream=None, validate=F
     _check_id_values(ids, E, "expert_ids", distinct=False)
     res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
     res.view[...] = _ref.load_balancing_loss(x, ids)
-    return res.user
+    return like_caller(res.user, logits)
 
 
 def router_z_loss(logits, *, out=None, stream=None):
@@ -537,7 +537,7 @@ def router_z_loss(logits, *, out=None, stream=None):
         return _aux_forward(x, None, False, True, out, stream)
     res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
     res.view[...] = _ref.router_z_loss(x)
-    return res.user
+    return like_caller(res.user, logits)
 
 
 def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=None, validate=False):
@@ -570,18 +570,18 @@ def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=
     if not gpu:
         _check_id_values(ids, E, "expert_ids", distinct=False)
         dx.view[...] = _ref.load_balancing_loss_backward(d_val, x, ids).astype(dt)
-        return dx.user
+        return like_caller(dx.user, logits)
     if validate:
         _check_id_values(ids, E, "expert_ids", distinct=False)
     if L == 0:
-        return dx.user
+        return like_caller(dx.user, logits)
     R, G = aux_partial_blocks(L, E)
     part_count = _array.empty_gpu((G, E), np.int32)
     f = _array.empty_gpu((E,), np.float32)
     launch_router_aux_partial(x, ids, None, None, part_count.view, R, stream)
     launch_router_aux_finalize(None, part_count.view, None, L, K, E, None, None, f.view, stream)
     launch_router_aux_bwd(x, f.view, d_ptr, d_val, None, 0.0, dx.view, stream)
-    return dx.user
+    return like_caller(dx.user, logits)
 
 
 def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
@@ -610,4 +610,4 @@ def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
         launch_router_aux_bwd(x, None, None, 0.0, d_ptr, d_val, dx.view, stream)
     else:
         dx.view[...] = _ref.router_z_loss_backward(d_val, x).astype(dt)
-    return dx.user
+    return like_caller(dx.user, logits)

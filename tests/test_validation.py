@@ -234,6 +234,12 @@ def _torch_layer(*args, **kw):
     return blazecore_torch.MoELayer(*args, **kw)
 
 
+def _torch_requires_grad_forward():
+    torch = pytest.importorskip("torch")
+    inp = {k: torch.from_numpy(v) for k, v in _layer().items()}
+    return moe.moe_forward(inp["x"].clone().requires_grad_(), inp["w13"], inp["w2"], inp["gates"], inp["expert_ids"])
+
+
 def plain(call):
     def build(backend):
         return call, []
@@ -718,6 +724,9 @@ ROWS = [
         "hidden_size must be an int >= 1, got -16", CPU, plain(lambda: _torch_layer(-16, 32, 4, 2))),
     Row("MoELayer.num_experts_zero", "blazecore_torch.MoELayer", "num_experts = 0", ValueError,
         "num_experts must be an int >= 1, got 0", CPU, plain(lambda: _torch_layer(16, 32, 0, 2))),
+    Row("moe_forward.x_requires_grad", "moe_forward", "x a torch CPU tensor that requires grad", TypeError,
+        "x: a torch tensor that requires grad (DLPack cannot export it); pass x.detach()", CPU,
+        plain(lambda: _torch_requires_grad_forward())),
     Row("asarray.not_an_array", "asarray", "an object without __dlpack__", TypeError,
         "w: expected a DLPack array (numpy, cupy, torch, jax ...), got object", CPU,
         plain(lambda: blazecore.asarray(object(), "w"))),

@@ -1,0 +1,113 @@
+"""The core API called with torch tensors and JAX arrays on the CPU (blazecore._array.like_caller).
+
+Every public function returns the caller's array type (the same values as with NumPy inputs, dtypes included),
+an ``out=`` buffer comes back as the caller's own object, and a torch tensor that requires grad or a JAX tracer
+is a one-line TypeError saying what to pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import blazecore
+from blazecore import BF16
+
+L, d, h, E, K = 5, 8, 4, 4, 2
+
+
+def _host(dtype=np.float32):
+    r = np.random.default_rng(0)
+    g = r.random((L, K)) + 0.1
+    return {
+        "x": r.standard_normal((L, d)).astype(dtype),
+        "w13": r.standard_normal((E, 2 * h, d)).astype(dtype),
+        "w2": r.standard_normal((E, d, h)).astype(dtype),
+        "gates": (g / g.sum(axis=1, keepdims=True)).astype(np.float32),
+        "ids": np.array([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], np.int32),
+        "dy": r.standard_normal((L, d)).astype(dtype),
+        "logits": r.standard_normal((L, E)).astype(dtype),
+    }
+
+
+def _torch_in(a):
+    torch = pytest.importorskip("torch")
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _jax_in(a):
+    jnp = pytest.importorskip("jax.numpy")
+    return jnp.asarray(a)
+
+
+def _np(a):
+    if type(a).__module__.split(".")[0] == "torch":
+        import torch
+
+        return a.view(torch.uint16).numpy().view(BF16) if a.dtype == torch.bfloat16 else a.numpy()
+    return np.asarray(a)
+
+
+def _calls(a):
+    """name -> result of every public function on the arrays ``a``."""
+    disp = blazecore.build_dispatch(a["ids"], E)
+    y, saved = blazecore.moe_forward(a["x"], a["w13"], a["w2"], a["gates"], a["ids"], dispatch=disp)
+    grads = blazecore.moe_backward(a["dy"], saved)
+    gates, ids = blazecore.route_topk(a["logits"], K)
+    out = {
+        "dispatch.slot_token": disp.slot_token, "dispatch.pair_slot": disp.pair_slot, "y": y,
+        "dx": grads.dx, "dw13": grads.dw13, "dw2": grads.dw2, "dgates": grads.dgates, "gates": gates, "ids": ids,
+        "route_topk_backward": blazecore.route_topk_backward(a["gates"], a["logits"], ids),
+        "load_balancing_loss": blazecore.load_balancing_loss(a["logits"], ids),
+        "load_balancing_loss_backward": blazecore.load_balancing_loss_backward(1.0, a["logits"], ids),
+        "router_z_loss": blazecore.router_z_loss(a["logits"]),
+        "router_z_loss_backward": blazecore.router_z_loss_backward(1.0, a["logits"]),
+    }
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_results_are_the_callers_type(framework, dtype):
+    host = _host(dtype)
+    to = _torch_in if framework == "torch" else _jax_in
+    got = _calls({k: to(v) for k, v in host.items()})
+    want = _calls(host)
+    for name, w in want.items():
+        g = got[name]
+        assert type(g).__module__.split(".")[0] in (("torch",) if framework == "torch" else ("jax", "jaxlib")), name
+        gn = _np(g)
+        assert gn.dtype == w.dtype and gn.shape == w.shape, (name, gn.dtype, w.dtype)
+        assert gn.tobytes() == np.ascontiguousarray(w).tobytes(), name
+
+
+def test_out_buffer_is_returned_as_given():
+    torch = pytest.importorskip("torch")
+    host = _host()
+    t = {k: torch.from_numpy(v) for k, v in host.items()}
+    out = torch.empty(L, d)
+    y, _ = blazecore.moe_forward(t["x"], t["w13"], t["w2"], t["gates"], t["ids"], out=out)
+    assert y is out
+
+
+def test_requires_grad_is_one_clear_line():
+    torch = pytest.importorskip("torch")
+    host = _host()
+    t = {k: torch.from_numpy(v) for k, v in host.items()}
+    x = t["x"].clone().requires_grad_()
+    with pytest.raises(TypeError, match=r"^x: a torch tensor that requires grad .* pass x\.detach\(\)") as e:
+        blazecore.moe_forward(x, t["w13"], t["w2"], t["gates"], t["ids"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match=r"^logits: a torch tensor that requires grad"):
+        blazecore.router_z_loss(t["logits"].clone().requires_grad_())
+    y, _ = blazecore.moe_forward(x.detach(), t["w13"], t["w2"], t["gates"], t["ids"])  # what the message says
+    assert isinstance(y, torch.Tensor)
+
+
+def test_jax_tracer_is_one_clear_line():
+    jax = pytest.importorskip("jax")
+    logits = jax.numpy.asarray(_host()["logits"])
+    with pytest.raises(TypeError, match=r"^logits: a JAX tracer .* pass a concrete array"):
+        jax.jit(lambda v: blazecore.router_z_loss(v))(logits)
