@@ -17,7 +17,13 @@ import sys
 import blazecore_torch
 import torch
 import torch.distributed as dist
-from blazecore_torch.parallel import ExpertParallelMoELayer, fully_shard_expert_parallel
+from blazecore_torch.parallel import (
+    ExpertParallelMoELayer,
+    all_reduce_gradients,
+    expert_parallel_mesh,
+    fully_shard_expert_parallel,
+    to_expert_parallel,
+)
 from torch import nn
 
 RTOL = 1e-10  # float64 reference path on both sides; only the summation order differs
@@ -171,6 +177,39 @@ def suite_fsdp(rank, world):
             w = want[key][sl] if "experts" in n else want[key]
             _close(f"fsdp step {step}: {n}", p, w, rtol=1e-9)
     print(f"OK fsdp dp={dp} ep={epn} steps={steps}", flush=True)
+    _check_ddp(rank, world)
+
+
+def _check_ddp(rank, world):
+    """Without FSDP: to_expert_parallel + all_reduce_gradients on expert_parallel_mesh equal the single-process
+    model after Adam steps."""
+    epn = 2 if world >= 2 else 1
+    mesh = expert_parallel_mesh(epn, "cpu")
+    d, h, E, K, L, steps = 8, 6, 4, 2, 5, 2
+    torch.manual_seed(11)
+    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64))
+    torch.manual_seed(11)
+    model = to_expert_parallel(_Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)), mesh)
+    assert isinstance(model.moe, ExpertParallelMoELayer)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
+    g = torch.Generator().manual_seed(6)
+    for step in range(steps):
+        xs = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        opt_ref.zero_grad()
+        ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        opt_ref.step()
+        opt.zero_grad()
+        ((model(xs[rank]) - ts[rank]) ** 2).mean().backward()
+        all_reduce_gradients(model, mesh)
+        opt.step()
+        want = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            key = n.replace("moe.experts.", "moe.")
+            _close(f"ddp step {step}: {n}", p, want[key][sl] if "experts" in n else want[key], rtol=1e-9)
+    print(f"OK ddp dp={world // epn} ep={epn}", flush=True)
 
 
 def suite_titan(rank, world):

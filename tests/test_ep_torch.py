@@ -64,7 +64,7 @@ def test_layer_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_matches_single_process(world):
     for out in _launch(world, "fsdp"):
-        assert "OK fsdp" in out, out
+        assert "OK fsdp" in out and "OK ddp" in out, out
 
 
 def test_bad_input_raises_before_communication():

@@ -49,7 +49,16 @@ from blazecore.layer import resolve_plan
 from . import ops
 from .layer import MoELayer
 
-__all__ = ["ExpertParallelMoELayer", "LocalExperts", "fully_shard_expert_parallel", "resolve_ep_group"]
+__all__ = [
+    "ExpertParallelMoELayer",
+    "LocalExperts",
+    "all_reduce_gradients",
+    "expert_parallel_mesh",
+    "expert_parameters",
+    "fully_shard_expert_parallel",
+    "resolve_ep_group",
+    "to_expert_parallel",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,3 +422,57 @@ def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", e
         layer.experts.set_gradient_divide_factor(float(world))
     fully_shard(model, mesh=flat, **fsdp_kwargs)
     return flat
+
+
+# ---------------------------------------------------------------------------------------------
+# Without FSDP: a (dp, ep) mesh, layer conversion and data-parallel gradient averaging
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_parallel_mesh(ep_size: int, device_type: str = "cuda", *, dp_dim: str = "dp", ep_dim: str = "ep"):
+    """The 2-D (dp, ep) DeviceMesh of all ranks, dp = world size / ``ep_size`` (ranks r and r + 1 share a dp row's
+    ep group). torch.distributed must be initialised (torchrun + ``init_process_group``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs torch.distributed initialised (torchrun, then "
+                           "dist.init_process_group)")
+    world = dist.get_world_size()
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
+        raise ValueError(f"the expert-parallel size {ep_size!r} must be a positive divisor of the world size {world}")
+    return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=(dp_dim, ep_dim))
+
+
+def to_expert_parallel(model: nn.Module, mesh, *, ep_dim: str = "ep") -> nn.Module:
+    """Replace every ``MoELayer`` in ``model`` by an :class:`ExpertParallelMoELayer` on ``mesh``'s ``ep_dim`` group
+    with the same configuration and weights (this rank's experts sliced out). Every rank must hold the same full
+    weights beforehand (the same seed). Returns ``model`` (changed in place)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MoELayer):
+                setattr(parent, name, ExpertParallelMoELayer.from_layer(child, group=mesh, ep_dim=ep_dim))
+    return model
+
+
+def expert_parameters(model: nn.Module) -> set:
+    """The parameters of the :class:`ExpertParallelMoELayer` experts in ``model`` (each rank's own)."""
+    return {p for m in model.modules() if isinstance(m, ExpertParallelMoELayer) for p in m.experts.parameters()}
+
+
+@torch.no_grad()
+def all_reduce_gradients(model: nn.Module, mesh, *, dp_dim: str = "dp") -> None:
+    """Average the gradients of an expert-parallel model over the ranks, as DDP would (call after ``backward``).
+
+    Every parameter outside the experts is replicated on all ranks: its gradient is summed over all of them and
+    divided by the world size. An expert's gradient already sums the tokens of its whole ep group (the all-to-all
+    brought them); it is summed over the ``dp_dim`` group (the ranks holding the same experts) and divided by the
+    world size as well. The result equals the gradient of the mean loss over all ranks' tokens.
+    """
+    world = dist.get_world_size()
+    experts = expert_parameters(model)
+    dp_group = mesh.get_group(dp_dim)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad, group=dp_group if p in experts else None)
+        p.grad.div_(world)
