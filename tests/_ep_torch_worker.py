@@ -259,6 +259,37 @@ def suite_titan(rank, world):
     print("OK titan", flush=True)
 
 
+def suite_gpu(rank, world):
+    """NCCL, one GPU per rank, bf16 kernels: the EP layer against the full MoELayer on every rank's tokens (run on
+    each rank's own GPU), output and every gradient within bf16 tolerance."""
+    device = torch.device("cuda", rank)
+    d, h, E, K = 256, 128, 8 * world, 4
+    torch.manual_seed(7)
+    full = blazecore_torch.MoELayer(d, h, E, K, device=device, dtype=torch.bfloat16)
+    ep = ExpertParallelMoELayer.from_layer(full)
+    g = torch.Generator(device=device).manual_seed(5)
+    counts = [700 + 97 * r for r in range(world)]
+    xs = [torch.randn(n, d, generator=g, device=device).bfloat16() for n in counts]
+    dys = [torch.randn(n, d, generator=g, device=device).bfloat16() for n in counts]
+    x_all = torch.cat(xs).requires_grad_(True)
+    y_all, _ = full(x_all)
+    (y_all.float() * torch.cat(dys).float()).sum().backward()
+    x = xs[rank].clone().requires_grad_(True)
+    y, _ = ep(x)
+    (y.float() * dys[rank].float()).sum().backward()
+    lo = sum(counts[:rank])
+    rows, sl = slice(lo, lo + counts[rank]), slice(ep.local_expert_range.start, ep.local_expert_range.stop)
+    tol = 2e-2
+    _close("gpu: y", y, y_all[rows], tol)
+    _close("gpu: dx", x.grad, x_all.grad[rows], tol)
+    _close("gpu: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], tol)
+    _close("gpu: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], tol)
+    drouter = ep.router.weight.grad.float()
+    dist.all_reduce(drouter)
+    _close("gpu: d router", drouter, full.router.weight.grad, tol)
+    print("OK gpu", flush=True)
+
+
 def suite_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -283,9 +314,15 @@ def main():
     suite = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if suite == "gpu":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors, "titan": suite_titan}[suite](rank, world)
+        suites = {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors, "titan": suite_titan,
+                  "gpu": suite_gpu}
+        suites[suite](rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -34,7 +34,8 @@ def _free_port() -> int:
 def _launch(world: int, suite: str, timeout: float = 240) -> list[str]:
     env = dict(os.environ)
     env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1", "PYTHONPATH": os.pathsep.join(
                     [str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])})
     procs = [subprocess.Popen([sys.executable, str(WORKER), suite], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -70,6 +71,17 @@ def test_fsdp2_matches_single_process(world):
 def test_bad_input_raises_before_communication():
     for out in _launch(2, "errors", timeout=120):
         assert "OK errors" in out, out
+
+
+@pytest.mark.gpu
+def test_ep_on_every_gpu_matches_single_process():
+    """With 2 or more GPUs: one process per GPU over NCCL (bf16), against the full MoELayer (suite "gpu")."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 or more GPUs, found {n}")
+    world = 4 if n >= 4 else 2
+    for out in _launch(world, "gpu"):
+        assert "OK gpu" in out, out
 
 
 @pytest.mark.gpu
