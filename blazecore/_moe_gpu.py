@@ -18,6 +18,7 @@ unless d > 2 * dz's row width: see dx_slices).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -95,11 +96,12 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in)
 
 
+@functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
 def _module_names90(ct, act):
     variants = _variants(act)
     names = [_name90(ct, k, v) for k, v in variants.items()]
     names += [_name90(ct, k, variants[k], b_load="tma") for k in variants if variants[k][0] == MODE_M]
-    return names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")]
+    return tuple(names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")])
 
 
 def _smem90(bn=BN90, staging=True):
