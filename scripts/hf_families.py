@@ -79,9 +79,7 @@ def _config_classes(module, experts_cls) -> list:
 def _shrink(cfg) -> None:
     for key, value in _SIZES.items():
         old = getattr(cfg, key, None)
-        if isinstance(old, (list, tuple)) and key.endswith("_size"):
-            pass  # one size per modality (the model passes its own to each experts module): the tiny one here
-        elif isinstance(old, bool) or not isinstance(old, (int, type(None))) or (old is None and value is None):
+        if isinstance(old, bool) or not isinstance(old, (int, type(None))) or (old is None and value is None):
             continue
         try:
             setattr(cfg, key, value)
@@ -106,7 +104,10 @@ def build(family: Family, seed: int = 0):
             _shrink(cfg)
             cfg._experts_implementation = "eager"
             torch.manual_seed(seed)
-            experts = experts_cls(cfg).float()
+            # experts built once per modality take their size as an argument (the config holds a list of them)
+            extra = {"intermediate_size": _SIZES["moe_intermediate_size"]} if "intermediate_size" in (
+                inspect.signature(inspect.unwrap(experts_cls.__init__)).parameters) else {}
+            experts = experts_cls(cfg, **extra).float()
             break
         except Exception as e:  # noqa: BLE001  (the next config class may be the one)
             errors.append(f"{config_cls.__name__}: {type(e).__name__}: {e}")
