@@ -5,7 +5,8 @@ The CPU checks run tests/_ep_jax_worker.py in a subprocess with 4 host devices
 equals the single-device moe_layer (output and every gradient) on 1-D and 2-D meshes, for skewed routings, an
 expert that gets nothing from some device, a device that sends nothing away, everything on one expert and
 K == E; bad input raises before anything runs. XLA:CPU has no ragged-all-to-all, so the CPU runs the padded
-exchange; the GPU case runs both exchanges on a one-device mesh.
+exchange, and the ragged one over an emulation of ragged_all_to_all (its offsets checked); the GPU case runs both
+exchanges on a one-device mesh.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def test_ep_on_four_host_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_ep_jax_worker.py"), "padded"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_ep_jax_worker.py"), "padded", "ragged"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     done = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
-    assert len(done) == 7, proc.stdout
+    assert len(done) == 10 and sum("ragged" in line for line in done) == 3, proc.stdout
 
 
 @pytest.mark.gpu

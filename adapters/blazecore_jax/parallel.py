@@ -97,16 +97,18 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     send_start = _exclusive_cumsum(send_sizes)
     if exchange == "ragged":
         recv_start = _exclusive_cumsum(recv_sizes)
-        # where this device's block lands in each destination's buffer: that destination's recv_start[me]
-        out_off = jax.lax.all_to_all(recv_start, axis, 0, 0, tiled=True)
+        # ragged_all_to_all's output_offsets are where the sent slices land on their receivers: going there, a
+        # destination's recv_start[me]; coming back, a source's send_start[me]
+        there_off = jax.lax.all_to_all(recv_start, axis, 0, 0, tiled=True)
+        back_off = jax.lax.all_to_all(send_start, axis, 0, 0, tiled=True)
 
         def there(a, rows):
             return jax.lax.ragged_all_to_all(a, jnp.zeros((rows,) + a.shape[1:], a.dtype), send_start, send_sizes,
-                                             out_off, recv_sizes, axis_name=axis)
+                                             there_off, recv_sizes, axis_name=axis)
 
         def back(a, rows):
             return jax.lax.ragged_all_to_all(a, jnp.zeros((rows,) + a.shape[1:], a.dtype), recv_start, recv_sizes,
-                                             send_start, send_sizes, axis_name=axis)
+                                             back_off, send_sizes, axis_name=axis)
 
         recv, recv_gates = there(send, cap), there(send_gates, cap)
         # received rows: sources in order, each source's rows by local expert; the rest is unused
