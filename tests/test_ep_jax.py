@@ -68,3 +68,37 @@ def test_ep_one_gpu_matches_moe_layer(exchange):
         a, b = np.asarray(got[name], np.float64), np.asarray(w, np.float64)
         err = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert err < 1e-5, f"{name}: relative norm error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+def test_ep_all_gpus_matches_moe_layer(exchange):
+    """With 2 or more GPUs: the experts over all of them (up to 8), both exchanges, float32, against moe_layer."""
+    if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
+        pytest.skip("needs JAX with 2 or more GPUs")
+    import jax.numpy as jnp
+    from blazecore_jax import init_moe_params, moe_layer
+    from blazecore_jax.parallel import ep_moe_layer
+    from jax.sharding import Mesh
+
+    n = min(8, 1 << (len(jax.devices()).bit_length() - 1))
+    d, h, E, K, L = 128, 64, 8, 2, 96 * n
+    params = init_moe_params(jax.random.key(0), d, h, E)
+    x = jax.random.normal(jax.random.key(1), (L, d), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (L, d), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
+
+    def run(fn):
+        def loss(p, xx):
+            y, _ = fn(p, xx)
+            return jnp.sum(y * dy), y
+
+        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        return {"y": y, "dx": g[1], **{f"d {k}": v for k, v in g[0].items()}}
+
+    want = run(lambda p, xx: moe_layer(p, xx, top_k=K))
+    got = run(lambda p, xx: ep_moe_layer(p, xx, mesh=mesh, top_k=K, exchange=exchange))
+    for name, w in want.items():
+        a, b = np.asarray(got[name], np.float64), np.asarray(w, np.float64)
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert err < 1e-5, f"{name} over {n} GPUs: relative norm error {err:.2e}"
