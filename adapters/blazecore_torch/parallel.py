@@ -90,17 +90,20 @@ def resolve_ep_group(group=None, *, ep_dim: str = "ep"):
 
 
 def _check_backend(group, device: torch.device) -> None:
-    """Tensors must live where the group's backend communicates (NCCL: the current CUDA device; gloo: CPU)."""
+    """Tensors must live where the group's backend communicates (NCCL: CUDA tensors on the current device; gloo: CPU
+    tensors; a "cpu:gloo,cuda:nccl" group either)."""
     backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and device.type != "cuda":
-        raise ValueError(f"the expert-parallel group uses NCCL but the layer's tensors are on {device}; move the "
-                         "layer to this rank's GPU (or use a gloo group on the CPU)")
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        raise ValueError(f"the layer's tensors are on {device} but this rank's current CUDA device is "
-                         f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first")
-    if backend == "gloo" and device.type != "cpu":
-        raise ValueError(f"the expert-parallel group uses gloo, which exchanges CPU tensors; the layer's tensors "
-                         f"are on {device} (use an NCCL group on GPUs)")
+    if device.type == "cpu" and "gloo" not in backend:
+        raise ValueError(f"the expert-parallel group's backend is {backend!r}, which does not exchange CPU tensors; "
+                         "move the layer to this rank's GPU (or use a gloo group on the CPU)")
+    if device.type == "cuda":
+        if "nccl" not in backend:
+            raise ValueError(f"the expert-parallel group's backend is {backend!r}; CUDA tensors need an NCCL group")
+        if device.index is not None and device.index != torch.cuda.current_device():
+            raise ValueError(f"the layer's tensors are on {device} but this rank's current CUDA device is "
+                             f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) first")
+    elif device.type != "cpu":
+        raise ValueError(f"expert parallelism runs on CUDA (NCCL) or CPU (gloo) tensors, not on {device}")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
