@@ -370,6 +370,9 @@ def _cmd_bench(args) -> int:
         return 1
     from .bench import bench_moe, plot, report
 
+    if args.readme and not (report.ROOT / "README.md").is_file():
+        raise UsageError("--readme regenerates the README of a source checkout; this blazecore is installed from "
+                         "a wheel (run it from a checkout installed with pip install -e)")
     if args.results_dir is not None:
         results_dir = os.path.abspath(args.results_dir)
     else:  # the README's tables are made from the checkout's bench/results
