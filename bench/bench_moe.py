@@ -375,6 +375,7 @@ def measure(impl, p, flops, args):
         "status": "ok",
         "fwd_bwd_ms": fb.median_ms,
         "fwd_ms": f.median_ms,
+        "fwd_bwd_spread_ms": fb.spread_ms,  # interquartile range of the timed samples
         "bwd_ms": bwd_ms,
         "fwd_bwd_tflops": common.tflops(flops, fb.median_ms),
         "fwd_tflops": common.tflops(flops / 3, f.median_ms),
