@@ -20,6 +20,7 @@ import torch.distributed as dist
 from blazecore_torch.parallel import (
     ExpertParallelMoELayer,
     all_reduce_gradients,
+    clip_grad_norm_,
     expert_parallel_mesh,
     fully_shard_expert_parallel,
     to_expert_parallel,
@@ -200,10 +201,14 @@ def _check_ddp(rank, world):
         ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
         opt_ref.zero_grad()
         ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         opt_ref.step()
         opt.zero_grad()
         ((model(xs[rank]) - ts[rank]) ** 2).mean().backward()
         all_reduce_gradients(model, mesh)
+        norm = clip_grad_norm_(model, 0.05, mesh)
+        assert norm_ref > 0.05, "the clipping threshold must bite"
+        _close(f"ddp step {step}: grad norm", norm, norm_ref, rtol=1e-6)
         opt.step()
         want = dict(ref.named_parameters())
         for n, p in model.named_parameters():

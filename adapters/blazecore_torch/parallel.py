@@ -53,6 +53,7 @@ __all__ = [
     "ExpertParallelMoELayer",
     "LocalExperts",
     "all_reduce_gradients",
+    "clip_grad_norm_",
     "expert_parallel_mesh",
     "expert_parameters",
     "fully_shard_expert_parallel",
@@ -479,3 +480,36 @@ def all_reduce_gradients(model: nn.Module, mesh, *, dp_dim: str = "dp") -> None:
             continue
         dist.all_reduce(p.grad, group=dp_group if p in experts else None)
         p.grad.div_(world)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, mesh, *, ep_dim: str = "ep") -> torch.Tensor:
+    """Clip the gradients of an expert-parallel model by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+    does on the single-process model; call after :func:`all_reduce_gradients`. Returns the norm (0-d float32, float64
+    for float64 gradients).
+
+    Each expert's gradient lives on one rank of the ``ep_dim`` group (the same on every dp row) and every other
+    gradient is the same on all ranks, so the squared norm is the local non-expert part plus the expert part summed
+    over the ep group. Every rank scales by the same factor, so replicated parameters stay equal.
+    """
+    experts = expert_parameters(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    shared = torch.zeros((), device=device, dtype=acc)
+    owned = torch.zeros((), device=device, dtype=acc)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.detach().to(acc).square().sum()
+            if p in experts:
+                owned += sq
+            else:
+                shared += sq
+    dist.all_reduce(owned, group=mesh.get_group(ep_dim))
+    norm = (shared + owned).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
