@@ -323,6 +323,22 @@ def test_bench_helpers(monkeypatch):
     assert table.splitlines()[2].split() == ["x", "1.50"] and table.splitlines()[3].split() == ["yy", "-"]
 
 
+def test_bench_timer(monkeypatch):
+    """bench/_common.py's one timer: warm-up calls untimed, repeats interleaved, inner calls averaged, a spread."""
+    common = _load_bench(monkeypatch, "_common")
+    calls = []
+    t = common.time_calls({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, warmup=2, repeats=3,
+                          clock="wall", inner=2, setup=lambda: calls.append("setup"))
+    assert calls == ["setup", "a", "a", "setup", "b", "b"] * 5
+    assert set(t) == {"a", "b"} and len(t["a"].samples_ms) == 3
+    timing = common.Timing.of([3.0, 1.0, 2.0, 10.0, 2.0])
+    assert timing.median_ms == 2.0 and timing.min_ms == 1.0 and timing.max_ms == 10.0
+    assert timing.spread_ms == pytest.approx(1.0)  # quartiles 2 and 3
+    assert common.wall_time(lambda: None, repeats=4).as_dict()["samples_ms"].__len__() == 4
+    with pytest.raises(ValueError, match="clock"):
+        common.time_call(lambda: None, clock="tsc")
+
+
 def test_bench_moe_cpu_smoke(monkeypatch, tmp_path, capsys):
     import json
 
