@@ -37,10 +37,8 @@ FLOP_UNITS = {"gemm1": 4, "gemm2": 2, "dhcur": 2, "dx": 4, "dw13": 4, "dw2": 2}
 
 
 def _grouped_mm_moe():
-    try:
-        from blazecore_app.baselines import grouped_mm_moe
-    except ImportError:
-        from blazecore_torch.baseline import grouped_mm_moe
+    from blazecore_app.baselines import grouped_mm_moe
+
     return grouped_mm_moe
 
 
