@@ -260,8 +260,9 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
     if isinstance(dispatch, Dispatch):  # its arrays as the intake's views (a CPU one may hold torch tensors)
-        dispatch = dataclasses.replace(dispatch, **{f: _array.asarray(getattr(dispatch, f), f"dispatch.{f}")
-                                                    for f in _DISPATCH_ARRAYS})
+        views = {f: _array.asarray(getattr(dispatch, f), f"dispatch.{f}") for f in _DISPATCH_ARRAYS}
+        if any(v is not getattr(dispatch, f) for f, v in views.items()):
+            dispatch = dataclasses.replace(dispatch, **views)
     if check_finite:
         _validate.check_finite_arrays({"x": x, "w13": w13, "w2": w2, "gates": gates, "b13": b13, "b2": b2}, stream)
     if memory_budget is not None:
