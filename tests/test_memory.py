@@ -494,14 +494,16 @@ def test_memory_model_matches_allocations_gpu(case, dname, checkpoint, chunks, s
 
 
 def test_resolve_chunks():
-    from blazecore.layer import resolve_chunks
+    from blazecore.layer import layer_call_bytes, resolve_chunks
 
     kw = dict(dtype="bfloat16", activation="swiglu", checkpoint="none")
     L = 1 << 20
     assert resolve_chunks(3, L, **OLMOE, **kw) == 3
     assert resolve_chunks("auto", L, **OLMOE, **kw, free_bytes=None) == 1  # no device: the reference path
-    budget = memory.moe_memory(L, **OLMOE, **kw, chunks=8, retain=True).peak_bytes
-    want = memory.plan_chunks(L, **OLMOE, **kw, budget=budget, retain=True).chunks
+    budget = memory.moe_memory(L, **OLMOE, **kw, chunks=8).peak_bytes
+    # the layer keeps what it holds beside the core (router logits, gates, ids, dy) out of the budget
+    beside, _ = layer_call_bytes(L, OLMOE["d"], OLMOE["E"], OLMOE["K"], dtype="bfloat16")
+    want = memory.plan_chunks(L, **OLMOE, **kw, budget=budget, reserved=beside).chunks
     assert want > 1
     assert resolve_chunks("auto", L, **OLMOE, **kw, budget=budget, free_bytes=lambda: 1) == want
     assert resolve_chunks("auto", L, **OLMOE, **kw, budget=0.5, free_bytes=lambda: 2 * budget) == want
