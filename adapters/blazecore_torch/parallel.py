@@ -312,13 +312,15 @@ class ExpertParallelMoELayer(nn.Module):
         return ep
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        w13 = self.experts.gate_up_proj
+        # the router's weight has the compute dtype here (FSDP2 may keep the experts sharded in another dtype until
+        # their own call); the experts' dtype is checked by moe_ffn
+        w13, router = self.experts.gate_up_proj, self.router.weight
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
-        if x.dtype != w13.dtype:
-            raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({w13.dtype})")
-        if x.device != w13.device or self.router.weight.device != w13.device:
-            raise ValueError(f"x is on {x.device}, the router on {self.router.weight.device} and the experts on "
+        if x.dtype != router.dtype:
+            raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({router.dtype})")
+        if x.device != w13.device or router.device != w13.device:
+            raise ValueError(f"x is on {x.device}, the router on {router.device} and the experts on "
                              f"{w13.device}: all must be on one device")
         _check_backend(self.group, x.device)
         shape = x.shape
