@@ -295,6 +295,48 @@ def suite_gpu(rank, world):
     print("OK gpu", flush=True)
 
 
+def suite_gpu_fsdp(rank, world):
+    """NCCL, one GPU per rank: FSDP2 with bf16 compute and float32 reduction (mixed precision) on a (2, world / 2)
+    mesh against the single-process float32 model (on each rank's GPU) after Adam steps: bf16 tolerance."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    device = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    d, h, E, K, L, steps = 256, 128, 8, 2, 512, 3
+    torch.manual_seed(3)
+    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)).float().to(device)
+    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64))
+    model = model.float().to(device)
+    with torch.no_grad():
+        model.inp.load_state_dict(ref.inp.state_dict())
+        model.out.load_state_dict(ref.out.state_dict())
+        model.moe.load_full_state_dict(ref.moe.state_dict())
+    fully_shard_expert_parallel(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=torch.float32))
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
+    g = torch.Generator(device=device).manual_seed(5)
+    for _ in range(steps):
+        xs = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
+        ts = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
+        opt_ref.zero_grad()
+        ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        opt_ref.step()
+        opt.zero_grad()
+        ((model(xs[rank].bfloat16()).float() - ts[rank]) ** 2).mean().backward()
+        opt.step()
+    want = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        key = n.replace("moe.experts.", "moe.")
+        w = want[key][sl] if "experts" in n else want[key]
+        _close(f"gpu fsdp: {n}", full, w, rtol=1e-2)
+    print("OK gpu_fsdp", flush=True)
+
+
 def suite_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -319,14 +361,14 @@ def main():
     suite = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    if suite == "gpu":
+    if suite.startswith("gpu"):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         suites = {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors, "titan": suite_titan,
-                  "gpu": suite_gpu}
+                  "gpu": suite_gpu, "gpu_fsdp": suite_gpu_fsdp}
         suites[suite](rank, world)
         dist.barrier()
     finally:

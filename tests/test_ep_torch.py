@@ -85,6 +85,17 @@ def test_ep_on_every_gpu_matches_single_process():
 
 
 @pytest.mark.gpu
+def test_fsdp2_mixed_precision_on_gpus():
+    """With 2 or more GPUs: FSDP2 (bf16 compute, float32 reduction; NCCL's PREMUL_SUM, which gloo lacks) on a
+    (2, n / 2) mesh against the single-process float32 model after Adam steps (suite "gpu_fsdp")."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 or more GPUs, found {n}")
+    for out in _launch(4 if n >= 4 else 2, "gpu_fsdp"):
+        assert "OK gpu_fsdp" in out, out
+
+
+@pytest.mark.gpu
 def test_ep_size_one_nccl_gives_plain_layer_bits():
     """One process, NCCL, ep_size 1: the same bits as MoELayer (forward and every gradient), bf16; the all-to-all
     path against the group of one (``always_exchange``) agrees within bf16 tolerance."""
