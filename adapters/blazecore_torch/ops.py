@@ -359,6 +359,8 @@ def _moe_setup(ctx, inputs, output):
      retain_saved) = inputs
     _, ab = output
     ctx.mark_non_differentiable(ab)
+    # no zero-filled (L*K, R) gradient for ab at the backward's peak (autograd materialises one by default)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2)
     ctx.activation, ctx.checkpoint, ctx.chunks, ctx.retain_saved = activation, checkpoint, chunks, retain_saved
 
