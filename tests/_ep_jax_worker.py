@@ -86,13 +86,14 @@ def check_case(mesh, case, E, K, exchange, d=12, h=6, per_dev=5):
     params = _params(d, h, E)
     x = _tokens(case, n_dev, per_dev, d, E, ep)
     dy = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape), jnp.float32)
+    bias = jnp.linspace(-1.0, 1.0, E) if case == "expert_bias" else None
 
     def loss_single(p, xx):
-        y, _ = moe_layer(p, xx, top_k=K)
+        y, _ = moe_layer(p, xx, top_k=K, expert_bias=bias)
         return jnp.sum(y * dy), y
 
     def loss_ep(p, xx):
-        y, _ = ep_moe_layer(p, xx, mesh=mesh, top_k=K, exchange=exchange)
+        y, _ = ep_moe_layer(p, xx, mesh=mesh, top_k=K, expert_bias=bias, exchange=exchange)
         return jnp.sum(y * dy), y
 
     (_, y_want), g_want = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1), has_aux=True))(params, x)
@@ -102,8 +103,9 @@ def check_case(mesh, case, E, K, exchange, d=12, h=6, per_dev=5):
     _close(f"{tag}: dx", g_got[1], g_want[1])
     for k in ("router", "gate_up_proj", "down_proj"):
         _close(f"{tag}: d {k}", g_got[0][k], g_want[0][k])
-    _, aux = jax.jit(lambda p, xx: ep_moe_layer(p, xx, mesh=mesh, top_k=K, exchange=exchange))(params, x)
-    _, aux_want = moe_layer(params, x, top_k=K)
+    _, aux = jax.jit(lambda p, xx: ep_moe_layer(p, xx, mesh=mesh, top_k=K, expert_bias=bias,
+                                                exchange=exchange))(params, x)
+    _, aux_want = moe_layer(params, x, top_k=K, expert_bias=bias)
     assert np.array_equal(np.asarray(aux["tokens_per_expert"]), np.asarray(aux_want["tokens_per_expert"]))
     print(f"OK {tag}", flush=True)
 
@@ -145,6 +147,7 @@ def main():
             check_case(mesh1, "stays_local", 8, 2, exchange)
             check_case(mesh1, "k_eq_e", 4, 4, exchange)
             check_case(mesh1, "all_to_one", 4, 2, exchange)
+            check_case(mesh1, "expert_bias", 8, 2, exchange)
     check_errors(mesh1)
 
 

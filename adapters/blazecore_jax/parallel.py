@@ -55,14 +55,15 @@ def _exclusive_cumsum(a):
 
 
 def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, activation: str = "swiglu",
-                 checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True, exchange: str | None = None,
-                 chunks: int = 1):
+                 checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True, expert_bias=None,
+                 exchange: str | None = None, chunks: int = 1):
     """The per-device body of :func:`ep_moe_layer`, to call inside a ``shard_map`` over ``axis``.
 
     Args:
         params: this device's {"router": (E, d), "gate_up_proj": (E_local, R, d), "down_proj": (E_local, d, h)}.
         x: (L, d) this device's tokens (float32, float16 or bfloat16, the parameters' dtype).
         axis: the mesh axis name of the experts; num_experts: E (= E_local * axis size).
+        expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), the same on every device.
         exchange: "ragged" (``ragged_all_to_all``), "padded" (``all_to_all`` of L*K rows per destination) or
             None for the backend's default (ragged on GPUs, padded on the CPU).
 
@@ -83,7 +84,7 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     n = L * K  # pairs sent; also the per-source capacity of the receive buffer
     cap = ep * n
     logits = x @ router.T
-    gates, ids = ops.route_topk(logits, K, score=score, renormalize=renormalize)
+    gates, ids = ops.route_topk(logits, K, score=score, renormalize=renormalize, expert_bias=expert_bias)
     disp = ops.build_dispatch(ids, E, validate=False)
     counts = disp.counts()  # (E,) pairs per global expert, slot order
     slot_token, slot_k, pair_slot = disp.slot_token, disp.slot_k, disp.pair_slot
@@ -162,7 +163,7 @@ def ep_param_specs(axis: str = "ep") -> dict:
 
 
 def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", activation: str = "swiglu",
-                 checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True,
+                 checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True, expert_bias=None,
                  exchange: str | None = None, chunks: int = 1):
     """Mixture-of-Experts layer with the experts split over the mesh axis ``axis`` (``jax.shard_map``).
 
@@ -173,7 +174,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
         x: (..., d) tokens; the flattened token count must divide by the mesh's device count. The tokens are
             split over every mesh axis (data-parallel axes and ``axis``), the experts over ``axis`` only.
         mesh: a ``jax.sharding.Mesh`` with an axis named ``axis``.
-        top_k, activation, checkpoint, score, renormalize, chunks: as for ``moe_layer``.
+        top_k, activation, checkpoint, score, renormalize, expert_bias, chunks: as for ``moe_layer``.
         exchange: "ragged", "padded" or None (see :func:`ep_moe_local`).
 
     Returns:
@@ -215,18 +216,22 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     all_axes = tuple(mesh.axis_names)
     specs = ep_param_specs(axis)
 
-    def body(p, t):
+    if expert_bias is not None and tuple(expert_bias.shape) != (E,):
+        raise ValueError(f"expert_bias: expected shape {(E,)}, got {tuple(expert_bias.shape)}")
+    bias = None if expert_bias is None else jax.lax.stop_gradient(jnp.asarray(expert_bias, jnp.float32))
+
+    def body(p, t, b):
         y, aux = ep_moe_local(p, t, axis=axis, num_experts=E, top_k=int(top_k), activation=activation,
-                              checkpoint=checkpoint, score=score, renormalize=renormalize, exchange=exchange,
-                              chunks=chunks)
+                              checkpoint=checkpoint, score=score, renormalize=renormalize, expert_bias=b,
+                              exchange=exchange, chunks=chunks)
         mean = {k: jax.lax.pmean(aux[k], all_axes) for k in ("load_balancing_loss", "z_loss")}
         return y, mean, jax.lax.psum(aux["tokens_per_expert"], all_axes)
 
     # check_vma=False: the ops' buffer callbacks return arrays without varying-axis types (nothing to check them
     # against); the replicated outputs are made so by pmean / psum above
-    fn = _shard_map()(body, mesh=mesh, in_specs=(specs, P(all_axes)), out_specs=(P(all_axes), P(), P()),
+    fn = _shard_map()(body, mesh=mesh, in_specs=(specs, P(all_axes), P()), out_specs=(P(all_axes), P(), P()),
                       check_vma=False)
-    y, aux, counts = fn({k: params[k] for k in _PARAMS}, tokens)
+    y, aux, counts = fn({k: params[k] for k in _PARAMS}, tokens, bias)
     aux = dict(aux, tokens_per_expert=counts)
     return y.reshape(shape), aux
 
