@@ -35,16 +35,24 @@ def _header_line(h: dict) -> str:
 def moe_table(doc: dict) -> str:
     rows = [r for r in doc["rows"] if r.get("status") == "ok"]
     gmm = {(r["shape"], r["tokens"]): r for r in rows if r["impl"] == "grouped_mm"}
-    out = [f"MoE layer forward+backward, bf16 ({_header_line(doc['header'])}); held/peak relative to grouped_mm:", "",
-           "| shape | tokens | impl | fwd+bwd ms | TFLOP/s | x vs grouped_mm | held MiB (%) | peak MiB (%) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    out = [f"MoE layer forward+backward, bf16 ({_header_line(doc['header'])}); held/peak relative to grouped_mm "
+           "(blazecore[...]: the core; moe_ffn[...]: the PyTorch adapter with autograd; peak - grads: the peak minus "
+           "the returned dx, dw13, dw2, dgates):", "",
+           "| shape | tokens | impl | fwd+bwd ms | TFLOP/s | x vs grouped_mm | held MiB (%) | peak MiB (%) | "
+           "peak - grads MiB (%) |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         g = gmm.get((r["shape"], r["tokens"]))
         held = f"{r['held_bytes'] / 2**20:.0f}" + (f" ({100 * r['held_bytes'] / g['held_bytes']:.1f}%)" if g else "")
         peak = f"{r['peak_bytes'] / 2**20:.0f}" + (f" ({100 * r['peak_bytes'] / g['peak_bytes']:.0f}%)" if g else "")
+        beyond = ""
+        if r.get("peak_beyond_grads_bytes") is not None:
+            beyond = f"{r['peak_beyond_grads_bytes'] / 2**20:.0f}"
+            if g and g.get("peak_beyond_grads_bytes"):
+                beyond += f" ({100 * r['peak_beyond_grads_bytes'] / g['peak_beyond_grads_bytes']:.1f}%)"
         sp = r.get("speedup_vs_grouped_mm")
         out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['impl_key']} | {r['fwd_bwd_ms']:.2f} | "
-                   f"{r['fwd_bwd_tflops']:.0f} | {'' if sp is None else f'{sp:.2f}'} | {held} | {peak} |")
+                   f"{r['fwd_bwd_tflops']:.0f} | {'' if sp is None else f'{sp:.2f}'} | {held} | {peak} | {beyond} |")
     return "\n".join(out)
 
 
@@ -129,14 +137,16 @@ def scale_table(doc: dict) -> str:
     """bench_scale: the token count doubling until out of memory, blazecore with the chunk planner."""
     h, summ = doc["header"], doc.get("summary", {})
     out = [f"Largest token count on one GPU, blazecore with the chunk planner (policy and chunks chosen per L for 0.9 "
-           f"of the free memory) against the baselines ({_header_line(h)}); predicted = blazecore.moe_memory:", "",
+           f"of the free memory) against the baselines ({_header_line(h)}); predicted = blazecore.moe_memory; "
+           "MoELayer[...] rows: the PyTorch layer with chunks=\"auto\" (router, top-k and experts, autograd), "
+           "predicted = blazecore.layer.layer_memory:", "",
            "| impl | tokens | status | policy | chunks | fwd+bwd ms | TFLOP/s | peak GiB | predicted GiB | pred/meas |",
            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
 
-    for r in doc["rows"] + doc.get("compare", []):
+    for r in doc["rows"] + doc.get("compare", []) + doc.get("layer_rows", []):
         pk, pp = r.get("peak_bytes"), r.get("predicted_peak_bytes")
         out.append(f"| {r['impl']} | {_count(r['tokens'])} | {r['status']} | {r.get('checkpoint') or ''} | "
                    f"{r.get('chunks') or ''} | {f(r.get('fwd_bwd_ms'), '.1f')} | {f(r.get('fwd_bwd_tflops'), '.0f')} | "
