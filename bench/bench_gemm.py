@@ -294,15 +294,26 @@ def main(argv=None) -> int:
     header["bench"] = "gemm"
     common.print_header(header)
     rows = []
+    failed = 0
     for shape in args.shape_list:
         for L in args.token_counts:
-            rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats)
-            print(f"{shape} {L}: done", flush=True)
+            try:
+                rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats)
+                print(f"{shape} {L}: done", flush=True)
+            except Exception as exc:  # the row says what went wrong; the other problems still run
+                import traceback
+
+                traceback.print_exc()
+                failed += 1
+                rows.append({"shape": shape, "tokens": L, "kind": "error",
+                             "message": " ".join(f"{type(exc).__name__}: {exc}".split())[:500]})
+                gc.collect()
+                torch.cuda.empty_cache()
     out_dir = pathlib.Path(args.results_dir) if args.results_dir else None
     path = common.write_json("gemm", header, rows, out_dir)
     print(tables(rows))
     print(f"wrote {path}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
