@@ -31,12 +31,10 @@ import subprocess
 import sys
 import tempfile
 
-_HERE = pathlib.Path(__file__).resolve().parent
-if __package__ in (None, ""):
-    sys.path.insert(0, str(_HERE))  # run as a script (torchrun bench/bench_ep.py): the shared helpers beside it
-    import _common as common
-else:
+try:
     from . import _common as common
+except ImportError:  # run as a script (torchrun bench/bench_ep.py): Python puts bench/ on the path
+    import _common as common
 
 SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
           "fine": (1536, 256, 128, 8), "tiny": (64, 32, 8, 2)}
