@@ -164,9 +164,9 @@ def test_packaging_installs_the_application():
 
 
 def test_entry_point_and_module_run_the_same_main():
-    from blazecore import __main__ as shim
-
     from blazecore_app import cli
+
+    from blazecore import __main__ as shim
 
     assert shim.main([]) == cli.main([]) == 0
 
