@@ -5,9 +5,13 @@ packaging installs the application with its ``blazecore`` command and one extra 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import pathlib
 import re
+import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -194,3 +198,48 @@ def test_test_extra_brings_every_test_dependency():
     assert "[cuda12,test]" in test_command and test_command.endswith("python -m pytest -q")
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci
+
+
+def test_wheel_holds_the_application_and_runs_from_elsewhere(tmp_path):
+    """Build the wheel (no dependencies, no isolation: the installed setuptools), unpack it as site-packages would
+    hold it, and run the command from another directory with only the wheel's code importable for blazecore."""
+    wheels = tmp_path / "wheels"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", ".", "--no-deps", "--no-build-isolation",
+                        "-w", str(wheels)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"cannot build the wheel here: {r.stderr.strip().splitlines()[-1:]}")
+    (wheel,) = wheels.glob("blazecore-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(site)
+    for f in ("blazecore/__init__.py", "blazecore/testing.py", "blazecore/cuda/router.cu", "blazecore_torch/layer.py",
+              "blazecore_jax/ops.py", "blazecore_app/cli.py", "blazecore_app/train.py", "blazecore_app/baselines.py",
+              "blazecore_app/bench/bench_moe.py", "blazecore_app/bench/_common.py", "blazecore_app/bench/plot.py"):
+        assert f in names, f
+    assert not any(n.startswith(("bench/", "tests/", "app/")) or "/results/" in n for n in names)
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "blazecore = blazecore_app.cli:main" in (site / entry).read_text()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)  # ahead of the checkout's editable install
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], cwd=elsewhere, env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    r = run("-c", "import blazecore, blazecore_app, blazecore_torch; "
+                  "print(blazecore.__file__, blazecore_app.__file__, blazecore_torch.__file__)")
+    assert r.returncode == 0 and r.stdout.count(str(site)) == 3, r.stdout + r.stderr
+    r = run("-m", "blazecore", "demo", "--tokens", "200", "--experts", "8", "--top-k", "2", "--device", "cpu")
+    assert r.returncode == 0 and "agrees with the NumPy argsort build" in r.stdout, r.stdout + r.stderr
+    r = run("-m", "blazecore", "info")
+    assert r.returncode == 0 and str(site) in r.stdout, r.stdout + r.stderr
+    if importlib.util.find_spec("torch") is not None:
+        r = run("-m", "blazecore", "train", "--device", "cpu", "--steps", "2", "--batch", "2", "--seq-len", "8",
+                "--d-model", "16", "--layers", "1", "--heads", "2", "--experts", "4", "--top-k", "2",
+                "--expert-hidden", "16", "--corpus-tokens", "5000", "--eval-batches", "1", "--sample-tokens", "0")
+        assert r.returncode == 0 and "done: 2 steps" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where it ran
