@@ -4,9 +4,10 @@ Core ops take any DLPack array; CUDA arrays run CUDA kernels compiled at first u
 CPU arrays run the NumPy reference in ``blazecore.reference``. Importing does no work: no CUDA
 context, no compilation, no torch or jax import.
 
-``blazecore.route_topk`` is the router function; its module is ``blazecore.router``. The module's old name,
-``blazecore.route_topk``, stays importable (``from blazecore.route_topk import ...``) with a DeprecationWarning
-until the next release.
+``blazecore.route_topk`` is the router function; its module is ``blazecore.router`` (its NumPy reference
+``blazecore.reference.router``). The modules' old names, ``blazecore.route_topk`` and
+``blazecore.reference.route_topk``, stay importable (``from blazecore.route_topk import ...``) with a
+DeprecationWarning until the next release.
 
 ``blazecore.testing`` holds the helpers that the project's tests and benchmarks share (routing generators,
 the argsort dispatch oracle, the comparison helper); it is not imported here.
@@ -44,6 +45,8 @@ __version__ = "0.1.0"
 
 # the router module's old name (deprecated): importable, warns on use; the attribute stays the function
 _sys.modules.setdefault(__name__ + ".route_topk", _deprecated.module_alias(__name__ + ".route_topk", router))
+_sys.modules.setdefault(__name__ + ".reference.route_topk",
+                        _deprecated.module_alias(__name__ + ".reference.route_topk", router._ref))
 
 __all__ = [
     "ACTIVATIONS",

@@ -18,8 +18,8 @@ class _Alias(types.ModuleType):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         warnings.warn(f"the module {self.__name__} is deprecated and goes away in the next release: import from "
-                      f"{new.__name__} (the function route_topk is blazecore.route_topk)", DeprecationWarning,
-                      stacklevel=2)
+                      f"{new.__name__} instead (the router function itself is blazecore.route_topk)",
+                      DeprecationWarning, stacklevel=2)
         return getattr(new, name)
 
     def __dir__(self):

@@ -79,6 +79,9 @@ def test_route_topk_is_the_function_and_the_old_module_warns():
     with pytest.warns(DeprecationWarning):
         old = importlib.import_module("blazecore.route_topk")
         assert old.load_balancing_loss is blazecore.router.load_balancing_loss
+    with pytest.warns(DeprecationWarning, match="import from blazecore.reference.router"):
+        from blazecore.reference.route_topk import route_topk_forward
+    assert route_topk_forward is blazecore.reference.router.route_topk_forward
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         importlib.import_module("blazecore.router")  # the new name warns about nothing
