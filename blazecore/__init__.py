@@ -43,10 +43,8 @@ from .router import (
 
 __version__ = "0.1.0"
 
-# the router module's old name (deprecated): importable, warns on use; the attribute stays the function
-_sys.modules.setdefault(__name__ + ".route_topk", _deprecated.module_alias(__name__ + ".route_topk", router))
-_sys.modules.setdefault(__name__ + ".reference.route_topk",
-                        _deprecated.module_alias(__name__ + ".reference.route_topk", router._ref))
+# the router modules' old names (deprecated): importable, with a warning; blazecore.route_topk stays the function
+_deprecated.install(_sys.modules[__name__])
 
 __all__ = [
     "ACTIVATIONS",

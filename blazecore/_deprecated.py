@@ -1,31 +1,65 @@
-"""Old names kept importable for one release, with a DeprecationWarning when used."""
+"""Old module names kept importable for one release: importing one warns (DeprecationWarning) and gives the module
+that replaced it.
+
+The old names are found by a finder on ``sys.meta_path`` only when imported, so nothing about them sits in
+``sys.modules`` (where tools that scan every module, such as pickle's lookup of a function's module, would trip
+over them). ``blazecore.route_topk`` was a module and is now the router function: the package keeps the function
+as that attribute when the old module name is imported.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 import types
 import warnings
 
-
-class _Alias(types.ModuleType):
-    """A module registered under an old name: every attribute read warns and comes from the new module."""
-
-    def __init__(self, old: str, new: types.ModuleType):
-        super().__init__(old, f"Deprecated alias of {new.__name__}.")
-        object.__setattr__(self, "_new", new)
-
-    def __getattr__(self, name: str):
-        new = object.__getattribute__(self, "_new")
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        warnings.warn(f"the module {self.__name__} is deprecated and goes away in the next release: import from "
-                      f"{new.__name__} instead (the router function itself is blazecore.route_topk)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(new, name)
-
-    def __dir__(self):
-        return dir(object.__getattribute__(self, "_new"))
+# old module name -> the module that replaced it
+RENAMED = {
+    "blazecore.route_topk": "blazecore.router",
+    "blazecore.reference.route_topk": "blazecore.reference.router",
+}
 
 
-def module_alias(old: str, new: types.ModuleType) -> types.ModuleType:
-    """A module object for ``sys.modules[old]`` that forwards to ``new``, warning on each use."""
-    return _Alias(old, new)
+class _Loader(importlib.abc.Loader):
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def create_module(self, spec):
+        warnings.warn(f"the module {self.old} is deprecated and goes away in the next release: import from "
+                      f"{self.new} instead (the router function itself is blazecore.route_topk)",
+                      DeprecationWarning, stacklevel=2)  # warnings skips importlib's frames: the import
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        # the new module is already executed; the import system gave it the old name's spec: give its own back
+        module.__spec__ = self.spec
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        new = RENAMED.get(fullname)
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _Loader(fullname, new))
+
+
+class _Package(types.ModuleType):
+    """The ``blazecore`` package's type: an import of the old module ``blazecore.route_topk`` sets the package's
+    attribute to that module; the attribute stays the router function instead."""
+
+    def __setattr__(self, name, value):
+        if name == "route_topk" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+def install(package: types.ModuleType) -> None:
+    """Register the finder of the old names (once) and give ``package`` the type that keeps its function."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.append(_Finder())
+    package.__class__ = _Package

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -71,18 +73,26 @@ def test_assert_close_reports_where():
     assert testing.rel_norm_error(2 * e, e) == pytest.approx(1.0)
 
 
-def test_route_topk_is_the_function_and_the_old_module_warns():
+def test_route_topk_is_the_function_and_the_old_module_warns(monkeypatch):
     assert callable(blazecore.route_topk) and blazecore.route_topk is blazecore.router.route_topk
-    with pytest.warns(DeprecationWarning, match="blazecore.route_topk is deprecated"):
-        from blazecore.route_topk import route_topk_backward
+    for old in ("blazecore.route_topk", "blazecore.reference.route_topk"):
+        monkeypatch.delitem(sys.modules, old, raising=False)  # an earlier import already warned
+    with pytest.warns(DeprecationWarning, match="blazecore.route_topk is deprecated.*import from blazecore.router"):
+        from blazecore.route_topk import load_balancing_loss, route_topk_backward
     assert route_topk_backward is blazecore.router.route_topk_backward
-    with pytest.warns(DeprecationWarning):
-        old = importlib.import_module("blazecore.route_topk")
-        assert old.load_balancing_loss is blazecore.router.load_balancing_loss
+    assert load_balancing_loss is blazecore.router.load_balancing_loss
+    assert sys.modules["blazecore.route_topk"] is blazecore.router
+    assert blazecore.router.__spec__.name == "blazecore.router"
+    assert blazecore.route_topk is blazecore.router.route_topk  # still the function after the old import
     with pytest.warns(DeprecationWarning, match="import from blazecore.reference.router"):
         from blazecore.reference.route_topk import route_topk_forward
     assert route_topk_forward is blazecore.reference.router.route_topk_forward
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        importlib.import_module("blazecore.router")  # the new name warns about nothing
-        assert callable(blazecore.route_topk)  # still the function after the old module was imported
+        importlib.import_module("blazecore.router")  # the new names warn about nothing
+        importlib.import_module("blazecore.reference.router")
+    # nothing about the old names sits in sys.modules before they are imported (module scans see no alias)
+    r = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c",
+                        "import sys, pickle, blazecore; assert 'blazecore.route_topk' not in sys.modules; "
+                        "pickle.dumps(blazecore.route_topk)"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
