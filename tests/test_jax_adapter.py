@@ -30,12 +30,7 @@ jnp = pytest.importorskip("jax.numpy")
 pytest.importorskip("jax.experimental.buffer_callback")
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import blazecore_jax
-except ImportError:  # not installed (pip install -e .): use the source tree
-    sys.path.insert(0, str(_ROOT / "adapters"))
-    import blazecore_jax
-
+import blazecore_jax  # noqa: E402
 from blazecore_jax import ops  # noqa: E402
 
 TOL = 1e-5  # float32 vs a float32 jax.numpy computation (relative norm error)
@@ -374,11 +369,7 @@ def test_bf16_cpu_forward():
 
 def test_matches_torch_adapter():
     torch = pytest.importorskip("torch")
-    try:
-        import blazecore_torch
-    except ImportError:
-        sys.path.insert(0, str(_ROOT / "adapters"))
-        import blazecore_torch
+    import blazecore_torch
 
     params = blazecore_jax.init_moe_params(jax.random.key(4), 16, 8, 6)
     x = jax.random.normal(jax.random.key(5), (10, 16), jnp.float32)

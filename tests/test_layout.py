@@ -66,7 +66,7 @@ def test_core_imports_no_adapter_application_or_framework():
 
 def test_no_code_edits_sys_path():
     pattern = re.compile(r"\bsys\.path\.(insert|append|extend)\b|\bsys\.path\s*[+]?=|\bsyspath_prepend\b")
-    dirs = [CORE, ROOT / "adapters", ROOT / "app", ROOT / "bench", ROOT / "scripts"]
+    dirs = [CORE, ROOT / "adapters", ROOT / "app", ROOT / "bench", ROOT / "scripts", ROOT / "tests"]
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in _py_files(*dirs)
            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not bad, "sys.path edited in: " + ", ".join(bad)

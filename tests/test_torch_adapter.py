@@ -20,12 +20,7 @@ from conftest import assert_close
 torch = pytest.importorskip("torch")
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import blazecore_torch
-except ImportError:  # not installed (pip install -e .): use the source tree
-    sys.path.insert(0, str(_ROOT / "adapters"))
-    import blazecore_torch
-
+import blazecore_torch  # noqa: E402
 from blazecore_app import baselines  # noqa: E402
 from blazecore_torch import MoELayer, ops  # noqa: E402
 
