@@ -213,3 +213,27 @@ def test_bench_ep_cpu_smoke(tmp_path):
     doc = json.loads((tmp_path / "ep_cpu.json").read_text())
     (row,) = doc["rows"]
     assert row["gpus"] == 2 and row["global_tokens"] == 64 and row["exchange"] and row["tokens_per_s"] > 0
+def _cli_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), str(ROOT / "app"),
+                                         env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def test_train_ep_under_torchrun():
+    """``train --ep 2`` on 2 CPU ranks (gloo): data + expert parallel training runs, rank 0 reports global tokens/s."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "blazecore",
+           "train", "--ep", "2", "--device", "cpu", "--steps", "3", "--layers", "1", "--batch", "2", "--seq-len", "16",
+           "--corpus-tokens", "5000", "--eval-batches", "1", "--sample-tokens", "0"]
+    proc = subprocess.run(cmd, env=_cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "parallel: 2 ranks: 1 data-parallel x 2 expert-parallel" in proc.stdout, proc.stdout
+    assert proc.stdout.count("done: 3 steps") == 1, proc.stdout  # rank 0 prints, rank 1 does not
+
+
+def test_train_ep_without_torchrun_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "blazecore", "train", "--ep", "2", "--device", "cpu"], env=_cli_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs torchrun" in proc.stderr, proc.stderr

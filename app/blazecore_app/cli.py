@@ -237,7 +237,7 @@ _TRAIN_OPTIONS = {
     "chunks": "chunks", "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir",
     "ckpt_every": "ckpt_every",
     "log": "log", "log_every": "log_every", "eval_batches": "eval_batches", "corpus_tokens": "corpus_tokens",
-    "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads", "stop_at": "stop_at",
+    "sample_tokens": "sample_tokens", "cpu_threads": "cpu_threads", "stop_at": "stop_at", "ep": "ep",
 }
 
 
@@ -333,6 +333,9 @@ def _add_train_parser(sub) -> None:
     r.add_argument("--sample-tokens", type=NON_NEGATIVE_INT, help="words to sample from the model at the end (0: none)")
     r.add_argument("--cpu-threads", type=NON_NEGATIVE_INT,
                    help="CPU runs: torch and OpenBLAS threads (1; 0 leaves them)")
+    r.add_argument("--ep", type=POSITIVE_INT, metavar="N",
+                   help="under torchrun: split each MoE layer's experts over groups of N ranks (expert parallel), "
+                        "data parallel across the groups; tokens/s counts every rank")
     o = p.add_argument_group("output")
     o.add_argument("--ckpt", metavar="DIR", help="save DIR/checkpoint.pt every --ckpt-every steps and at the end")
     o.add_argument("--ckpt-every", type=POSITIVE_INT, metavar="N", help="steps between checkpoints (200)")

@@ -49,6 +49,7 @@ from torch import nn
 import blazecore
 
 from . import baselines as _baseline
+from . import distributed
 from .corpus import SyntheticLanguage
 
 __all__ = ["PRESETS", "ConfigError", "MoETransformer", "TrainConfig", "resolve", "run"]
@@ -114,6 +115,7 @@ class TrainConfig:
     sample_tokens: int = 32
     cpu_threads: int = 1  # CPU runs: threads of torch and of NumPy's OpenBLAS (0: leave them as they are)
     stop_at: int | None = None  # end this invocation after that step (with a checkpoint); --resume continues
+    ep: int = 1  # expert-parallel size under torchrun (blazecore_app.distributed)
 
     @property
     def tokens_per_step(self) -> int:
@@ -520,6 +522,8 @@ def _check_config(cfg: TrainConfig, device: torch.device) -> None:
     if not (cfg.chunks == "auto" or (isinstance(cfg.chunks, int) and not isinstance(cfg.chunks, bool)
                                      and cfg.chunks >= 1)):
         raise ConfigError(f"chunks = {cfg.chunks!r} must be an int >= 1 or auto")
+    if cfg.ep < 1 or cfg.num_experts % cfg.ep or (cfg.ep > 1 and cfg.impl != "blazecore"):
+        raise ConfigError(f"--ep {cfg.ep} needs blazecore's layers and must divide num_experts = {cfg.num_experts}")
     if cfg.impl == "grouped_mm":
         why = _grouped_mm_unavailable(cfg, device)
         if why is not None:
@@ -644,13 +648,22 @@ def run(options: dict, *, out=None, err=None) -> dict:
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    cfg, device, checkpoint, ckpt_path = resolve(options)
-    threads = cpu_threads(cfg.cpu_threads) if device.type == "cpu" else contextlib.nullcontext()
-    with threads:
-        return _train(cfg, device, checkpoint, ckpt_path, out, err)
+    par = distributed.setup(options.get("ep", 1), options.get("device", "auto"), ConfigError)  # None without torchrun
+    try:
+        if par is not None and par.rank != 0:
+            out = err = open(os.devnull, "w")  # noqa: SIM115  (rank 0 prints)
+        cfg, device, checkpoint, ckpt_path = resolve(options)
+        if par is not None and ckpt_path is not None:
+            raise ConfigError("--ckpt is not supported under torchrun (each rank holds its own experts)")
+        threads = cpu_threads(cfg.cpu_threads) if device.type == "cpu" else contextlib.nullcontext()
+        with threads:
+            return _train(cfg, device, checkpoint, ckpt_path, out, err, par)
+    finally:
+        if par is not None:
+            par.close()
 
 
-def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt_path, out, err) -> dict:
+def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt_path, out, err, par=None) -> dict:
     def say(text=""):
         print(text, file=out, flush=True)
 
@@ -659,8 +672,10 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
 
     model = MoETransformer(cfg, data.lang.vocab_size, device=device, dtype=dtype)
     init_hash = init_parameters(model, cfg)
-    opt = MasterAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     n_params, n_expert = count_parameters(model)
+    if par is not None:
+        model = par.convert(model)  # every rank built the same weights; each keeps its experts
+    opt = MasterAdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     history, val_history, progress_log = [], [], []
     start, wall_before = 0, 0.0
@@ -681,6 +696,8 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
         f"K={cfg.top_k} h={cfg.expert_hidden} ({cfg.activation}); {_fmt_count(n_params)} parameters "
         f"({_fmt_count(n_expert)} in experts), {cfg.dtype}")
     say(f"MoE: {_describe_impl(cfg)}")
+    if par is not None:
+        say(f"parallel: {par.describe} (torchrun); tokens/s counts every rank")
     say(f"run: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} = {cfg.tokens_per_step} tokens, AdamW lr {cfg.lr:g} "
         f"(warm-up {cfg.warmup}, cosine), seed {cfg.seed}")
     if device.type == "cuda":
@@ -727,7 +744,8 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
         pending.clear()
         now = time.perf_counter()
         steps, seconds = step - step_mark, now - t_mark
-        rate = steps * cfg.tokens_per_step / seconds if seconds > 0 else None
+        world = 1 if par is None else par.world
+        rate = steps * cfg.tokens_per_step * world / seconds if seconds > 0 else None
         t_mark, step_mark = now, step
         peak, _ = _peak_memory(device)
         progress_log.append({"step": step, "steps": steps, "seconds": seconds, "tokens_per_s": rate,
@@ -748,13 +766,15 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
 
     last = cfg.steps if cfg.stop_at is None else max(start, min(cfg.steps, cfg.stop_at))
     for step in range(start + 1, last + 1):
-        x, y = data.train_batch(step, device)
+        x, y = data.train_batch(step if par is None else par.batch_step(step), device)
         logits, aux = model(x)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(_loss_dtype(logits)), y.reshape(-1))
         lb, z = aux["load_balancing_loss"], aux["z_loss"]
         loss = lm + cfg.aux_loss_coef * lb.to(lm.dtype) + cfg.z_loss_coef * z.to(lm.dtype)
         loss.backward()
-        opt.step(lr_at(step, cfg), cfg.grad_clip)
+        if par is not None:
+            par.reduce_and_clip(model, cfg.grad_clip)  # averaged over the ranks, clipped by the global norm
+        opt.step(lr_at(step, cfg), cfg.grad_clip if par is None else 0.0)
         pending.append(torch.stack([t.detach().double() for t in (loss, lm, lb, z)]))
         if resident is None and device.type == "cuda":
             resident = int(torch.cuda.memory_allocated(device))  # weights, masters, optimizer state
