@@ -190,6 +190,49 @@ def test_torchtitan_experts_backend(device):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.gpu
+def test_torchtitan_qwen3_moe_model_trains_with_blazecore_experts():
+    """A whole torchtitan model (its Qwen3-MoE "debugmodel_moe": 8 layers, 64 experts, top 8, flex attention)
+    trains with blazecore's experts: same initial weights and batches as with its grouped_mm experts, ten AdamW
+    steps in float32; the losses track the stock model's and fall."""
+    pytest.importorskip("torchtitan")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (flex attention has no CPU backward)")
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    from blazecore_torch.titan import use_blazecore_experts
+
+    torch.manual_seed(0)
+    stock = qwen3_configs["debugmodel_moe"](attn_backend="flex").build().to("cuda")
+    for p in stock.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    ours = use_blazecore_experts(qwen3_configs["debugmodel_moe"](attn_backend="flex")).build().to("cuda")
+    ours.load_state_dict(stock.state_dict())
+    n_ours = sum(type(m).__name__ == "BlazecoreGroupedExperts" for m in ours.modules())
+    assert n_ours == 8, n_ours
+    B, T, V = 4, 256, 2048
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, V, (B, T + 1), device="cuda", generator=g) for _ in range(2)]
+    pos = torch.arange(T, device="cuda").repeat(B, 1)
+    losses = {}
+    for name, m in (("grouped_mm", stock), ("blazecore", ours)):
+        masks = m.get_attention_masks(pos)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+        losses[name] = []
+        for step in range(10):
+            tok = batches[step % 2]
+            logits = m(tok[:, :-1], pos, masks)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tok[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    print("torchtitan qwen3 debugmodel_moe losses:", losses)
+    a, b = losses["grouped_mm"], losses["blazecore"]
+    assert all(abs(x - y) <= 0.05 * abs(x) for x, y in zip(a, b)), losses
+    assert b[-1] < 0.8 * b[0], losses
+
+
 def test_torchtitan_expert_parallel_with_blazecore_experts():
     """2 processes: torchtitan's own all-to-all token dispatcher with blazecore's experts equals the single-process
     torchtitan MoE (tests/_ep_torch_worker.py, suite "titan")."""

@@ -486,7 +486,7 @@ def test_fuzz_moe(backend):
         args = (inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation, inp["b13"], inp["b2"])
         if gpu:
             want_y = ref_moe.moe_forward_ref(*args)
-            want_g = ref_moe.moe_backward_ref(inp["dy"], *args)
+            want_g = ref_moe.moe_backward_ref(inp["dy"], *args, preact_dtype=dt)
             want_z = ref_moe.moe_preact_ref(inp["x"], inp["w13"], inp["ids"], inp["b13"])
         else:
             want_y, want_g, want_z = local_moe(*args, inp["dy"])

@@ -340,7 +340,7 @@ def test_chunked_bit_identical_gpu(case, dname, activation, checkpoint, bias, sm
     y_ref = ref.moe_forward_ref(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
                                 inp["b13"], inp["b2"])
     g_ref = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
-                                 inp["b13"], inp["b2"])
+                                 inp["b13"], inp["b2"], preact_dtype=np.dtype(inp["x"].dtype))
     assert_close(y2, y_ref, TOL[dname], "y")
     for k in GRAD_KEYS:
         if g_ref[k] is not None:

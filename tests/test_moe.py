@@ -111,17 +111,21 @@ def _inputs(case: Case, dname: str, activation: str, bias: bool) -> dict:
     return {k: _readonly(v) for k, v in _make(rng, case, DTYPES[dname], activation, bias).items()}
 
 
-def _reference(inp: dict, activation: str):
+def _reference(inp: dict, activation: str, backend: str):
     y = ref.moe_forward_ref(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
                             inp["b13"], inp["b2"])
+    # The GPU backward reads z in x's dtype (saved or recomputed); the reference rounds it the same way, which
+    # decides the gradient at swiglu_oai's clamps for a z within one bf16 step of them. The CPU path is the
+    # float64 reference itself.
+    dt = np.dtype(inp["x"].dtype)
     g = ref.moe_backward_ref(inp["dy"], inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], activation,
-                             inp["b13"], inp["b2"])
+                             inp["b13"], inp["b2"], preact_dtype=dt if backend == "gpu" else None)
     return y, g
 
 
 @functools.lru_cache(maxsize=None)
-def _expected(case: Case, dname: str, activation: str, bias: bool):
-    return _reference(_inputs(case, dname, activation, bias), activation)
+def _expected(case: Case, dname: str, activation: str, bias: bool, backend: str):
+    return _reference(_inputs(case, dname, activation, bias), activation, backend)
 
 
 def _on(inp: dict, backend: str) -> dict:
@@ -261,6 +265,28 @@ def test_reference_swiglu_oai_clamps_vs_finite_differences(bias):
             assert_close(g[key], fd[key], 1e-7, f"{key} vs finite differences")
 
 
+def test_reference_preact_dtype_rounds_z_before_the_clamps():
+    """preact_dtype: a gate pre-activation of 7.01 lies beyond swiglu_oai's clamp in float64 (no gradient through
+    the gate) but reads 7.0 in bf16 (inside, bounds included: the gradient passes); float64 changes nothing."""
+    x = np.array([[1.0]])
+    w13 = np.array([[[7.01], [0.5]]])  # gate 7.01, up 0.5
+    w2 = np.array([[[1.0]]])
+    gates = np.ones((1, 1))
+    ids = np.zeros((1, 1), np.int32)
+    args = (np.ones((1, 1)), x, w13, w2, gates, ids, "swiglu_oai")
+    exact = ref.moe_backward_ref(*args)
+    assert exact["dw13"][0, 0, 0] == 0.0
+    same = ref.moe_backward_ref(*args, preact_dtype=np.float64)
+    for key in ("dx", "dw13", "dw2", "dgates"):
+        np.testing.assert_array_equal(same[key], exact[key])
+    bf16 = ref.moe_backward_ref(*args, preact_dtype=DTYPES["bf16"])
+    c = 7.0
+    sig = 1.0 / (1.0 + math.exp(-1.702 * c))
+    # d/da [a sigmoid(1.702 a)] (b + 1) at a = 7, b = 0.5
+    want = (sig + c * 1.702 * sig * (1.0 - sig)) * 1.5
+    np.testing.assert_allclose(bf16["dw13"][0, 0, 0], want, rtol=1e-12)
+
+
 @pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "swiglu_oai")])
 def test_reference_interleaved(activation):
     """"<name>_interleaved" reads w13 / b13 rows as [g0, u0, g1, u1, ...]: the same layer as the [gate; up]
@@ -332,7 +358,7 @@ def test_moe_flops(activation):
 def test_layer_vs_reference(backend, case, dname, activation, bias):
     inp = _inputs(case, dname, activation, bias)
     y, saved, grads = _run(_on(inp, backend), activation)
-    _check_against(y, grads, inp, _expected(case, dname, activation, bias), TOL[DTYPES[dname]])
+    _check_against(y, grads, inp, _expected(case, dname, activation, bias, backend), TOL[DTYPES[dname]])
     assert to_numpy(y).shape == (case.L, case.d)
     # experts without a token get exact zeros (not just small values)
     counts = np.bincount(inp["ids"].reshape(-1), minlength=case.E)
@@ -418,7 +444,7 @@ def test_sm90_b_load_paths_bit_identical_gpu(case, activation, monkeypatch):
     monkeypatch.delenv("BLAZECORE_SM90_B_LOAD", raising=False)
     inp = _inputs(case, "bf16", activation, True)
     dev = _on(inp, "gpu")
-    exp = _reference(inp, activation)
+    exp = _reference(inp, activation, "gpu")
     for checkpoint in ("ab", "none"):
         runs = {}
         for b_load in _moe_gpu.B_LOADS:
@@ -455,7 +481,7 @@ def test_random_shapes(backend):
         case = Case("hyp", L, 8 * d8, 8 * h8, E, K, routing)
         inp = _make(np.random.default_rng(seed), case, DTYPES[dname], activation, bias)
         y, _, grads = _run(_on(inp, backend), activation, checkpoint)
-        _check_against(y, grads, inp, _reference(inp, activation), TOL[DTYPES[dname]])
+        _check_against(y, grads, inp, _reference(inp, activation, backend), TOL[DTYPES[dname]])
 
     check()
 
@@ -493,7 +519,7 @@ def test_checkpoint_policies_agree(backend, case, dname, activation):
         assert s_ab.held_bytes() - s_no.held_bytes() == case.L * case.K * R * DTYPES[dname].itemsize
     else:
         # the recompute may round differently from the saved pre-activations; both must be accurate
-        exp = _expected(case, dname, activation, True)
+        exp = _expected(case, dname, activation, True, backend)
         _check_against(y_no, g_no, inp, exp, TOL[DTYPES[dname]], "none: ")
         _check_against(y_ab, g_ab, inp, exp, TOL[DTYPES[dname]], "ab: ")
         for key in GRAD_KEYS:
@@ -543,7 +569,7 @@ def test_backward_consumes_saved_unless_retained(backend):
     g3 = moe.moe_backward(dev["dy"], saved)  # may consume
     for key in GRAD_KEYS:
         assert _bytes(getattr(g1, key)) == _bytes(getattr(g2, key)) == _bytes(getattr(g3, key)), key
-    _check_against(y, g3, inp, _expected(case, "bf16", "swiglu", True), TOL[DTYPES["bf16"]])
+    _check_against(y, g3, inp, _expected(case, "bf16", "swiglu", True, backend), TOL[DTYPES["bf16"]])
     if backend == "gpu":
         assert saved.consumed
         with pytest.raises(RuntimeError, match="consumed"):
@@ -591,7 +617,7 @@ def test_out_buffers(backend):
     grads = moe.moe_backward(dev["dy"], saved, **outs)
     assert grads.dx is outs["out_dx"] and grads.dw13 is outs["out_dw13"]
     assert grads.dw2 is outs["out_dw2"] and grads.dgates is outs["out_dgates"]
-    _check_against(y, grads, inp, _expected(case, dname, activation, True), TOL[dt])
+    _check_against(y, grads, inp, _expected(case, dname, activation, True, backend), TOL[dt])
 
 
 def test_dispatch_passed_in_cpu():
@@ -600,7 +626,7 @@ def test_dispatch_passed_in_cpu():
     disp = build_dispatch(inp["ids"], case.E)
     y, saved, grads = _run(inp, "swiglu", dispatch=disp)
     assert saved.dispatch is disp
-    _check_against(y, grads, inp, _expected(case, "f32", "swiglu", False), TOL[np.dtype(np.float32)])
+    _check_against(y, grads, inp, _expected(case, "f32", "swiglu", False, "cpu"), TOL[np.dtype(np.float32)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -900,7 +926,7 @@ def test_cuda_graph_replay_with_new_routing(dname, checkpoint, activation):
         dev["gates"].set(routing["gates"], stream=s)
         graph.launch(stream=s)
         s.synchronize()
-        _check_against(y, grads, routing, _reference(routing, activation), TOL[dt], f"{label}: ")
+        _check_against(y, grads, routing, _reference(routing, activation, "gpu"), TOL[dt], f"{label}: ")
     del graph, y, saved, grads
     pool.free_all_blocks()
 

@@ -222,12 +222,18 @@ def moe_forward_ref(x, w13, w2, gates, expert_ids, activation, b13=None, b2=None
     return y
 
 
-def moe_backward_ref(dy, x, w13, w2, gates, expert_ids, activation, b13=None, b2=None):
+def moe_backward_ref(dy, x, w13, w2, gates, expert_ids, activation, b13=None, b2=None, preact_dtype=None):
     """Gradients of sum(dy * y) for the layer of :func:`moe_forward_ref`, float64.
 
     dy (L, d); the other arguments as in :func:`moe_forward_ref`. Returns a dict with dx (L, d),
     dw13 (E, R, d), dw2 (E, d, h), dgates (L, K) where dgates[t, k] = dy[t] . o[t, k] (o includes
     b2), db13 (E, R) or None, db2 (E, d) or None.
+
+    preact_dtype: None (exact), or the dtype the backward reads the pre-activations z in: z is computed in
+    float64, rounded to that dtype and widened again before the activation, its derivatives and hcur are
+    evaluated (blazecore's backward reads z held in the input dtype, saved or recomputed). It matters where an
+    activation is not smooth (the clamps of "swiglu_oai"): a z within one rounding step of a clamp passes or
+    stops the gradient according to its stored value.
     """
     gated, x, w13, w2, gates, ids, b13, b2, activation, interleaved = _unpack(x, w13, w2, gates, expert_ids,
                                                                                activation, b13, b2)
@@ -244,6 +250,8 @@ def moe_backward_ref(dy, x, w13, w2, gates, expert_ids, activation, b13=None, b2
     for e in range(w13.shape[0]):
         t, k = np.nonzero(ids == e)  # the (token, k) pairs routed to expert e
         z = _preact(x, w13, b13, e, t)
+        if preact_dtype is not None:
+            z = z.astype(preact_dtype).astype(np.float64)
         hcur = _hidden(z, gated, act, h, up)
         o = _expert_output(hcur, w2, b2, e)
         dgates[t, k] = np.sum(dy[t] * o, axis=1)
