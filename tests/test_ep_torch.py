@@ -198,9 +198,11 @@ def test_torchtitan_qwen3_moe_model_trains_with_blazecore_experts():
     pytest.importorskip("torchtitan")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU (flex attention has no CPU backward)")
-    from torchtitan.models.qwen3 import qwen3_configs
-
     from blazecore_torch.titan import use_blazecore_experts
+    try:
+        from torchtitan.models.qwen3 import qwen3_configs
+    except ImportError as e:  # torchtitan 0.3's model packages import FSDP names that torch < 2.12 lacks
+        pytest.skip(f"torchtitan's Qwen3 package does not import with torch {torch.__version__}: {e}")
 
     torch.manual_seed(0)
     stock = qwen3_configs["debugmodel_moe"](attn_backend="flex").build().to("cuda")
@@ -229,7 +231,7 @@ def test_torchtitan_qwen3_moe_model_trains_with_blazecore_experts():
             losses[name].append(loss.item())
     print("torchtitan qwen3 debugmodel_moe losses:", losses)
     a, b = losses["grouped_mm"], losses["blazecore"]
-    assert all(abs(x - y) <= 0.05 * abs(x) for x, y in zip(a, b)), losses
+    assert all(abs(x - y) <= 0.05 * abs(x) for x, y in zip(a, b, strict=True)), losses
     assert b[-1] < 0.8 * b[0], losses
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 import blazecore
 
-from .bench import _common as bench_common
+from .timing import time_calls
 
 # ---------------------------------------------------------------------------------------------
 # Parsing: one line per bad value, status 2
@@ -173,7 +173,7 @@ def _cmd_demo(args) -> int:
         d = D.build_dispatch(ids, E)
         conv = argsort_dispatch(ids, E)
         ours = (d.expert_offsets, d.slot_token, d.slot_k, d.pair_slot)
-        timing = bench_common.time_calls({
+        timing = time_calls({
             "ours": lambda: D.build_dispatch(ids, E, validate=False),
             "check": lambda: D.build_dispatch(ids, E),
             "conv": lambda: argsort_dispatch(ids, E),
@@ -203,7 +203,7 @@ def _cmd_demo(args) -> int:
         conv = tuple(cupy.asnumpy(cupy.from_dlpack(a)) for a in conv_fn())
         ours = tuple(cupy.asnumpy(a) for a in (d.expert_offsets, d.slot_token, d.slot_k, d.pair_slot))
         # torch's current stream is CuPy's too (the default stream) unless a caller changed one of them
-        timing = bench_common.time_calls({
+        timing = time_calls({
             "ours": lambda: D.build_dispatch(ids_gpu, E, validate=False),
             "check": lambda: D.build_dispatch(ids_gpu, E),
             "conv": conv_fn,
