@@ -37,7 +37,8 @@ input (``input_output_aliases``), and the core works in that buffer. Inside one 
 of a jitted loss, a jitted train step) ``ab``'s last use is the backward, so XLA hands the callback ``ab``'s own
 buffer and no second (L*K, R) buffer exists; where ``ab`` is still needed afterwards (a residual passed between
 separately compiled forward and backward calls, or used twice), XLA copies it first, so results are always right
-and only the memory saving is lost.
+and only the memory saving is lost. Where XLA gives dz a buffer of its own instead (it does inside the loop of a
+sequential vmap on the GPU), the callback copies ab into it before the core runs.
 
 vmap: every callback declares ``vmap_method="sequential"`` (a batch of B runs the op B times, in a loop).
 """
@@ -493,6 +494,10 @@ def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, act
         # whenever XLA could donate them, a copy of ab otherwise; the core writes dz over it (retain=False)
         # (an aliased output starts out holding the input's values)
         z = v(dz) if checkpoint == "ab" else None
+        if z is not None:
+            # where XLA gave dz a buffer of its own after all (seen inside the loop of a sequential vmap on the
+            # GPU), it starts from ab's values: copied on XLA's stream, nothing to do when the two are one buffer
+            v.put(z, v(ab))
         saved = blazecore.MoESaved(v(x), v(w13), v(w2), v(gates), v(ids), _core_dispatch(v, *disp), activation,
                                    checkpoint, v(b13), v(b2), z, chunks=chunks)
         g = blazecore.moe_backward(v(dy), saved, out_dx=v(dx), out_dw13=v(dw13), out_dw2=v(dw2),
