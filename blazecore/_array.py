@@ -102,6 +102,11 @@ def asarray(obj: Any, name: str = "array"):
     mod = type(obj).__module__.split(".")[0]
     if mod == "cupy":
         return obj
+    fast = _intake.get()
+    if fast is not None:
+        view = fast(obj)
+        if view is not None:
+            return view
     fw = framework(obj)
     if fw == "torch" and getattr(obj, "requires_grad", False):
         raise TypeError(f"{name}: a torch tensor that requires grad (DLPack cannot export it); pass {name}.detach(), "
@@ -237,6 +242,32 @@ def allocator(fn: Allocator | None):
         yield
     finally:
         _allocator = prev
+
+
+# ---------------------------------------------------------------------------------------------
+# Intake without DLPack (adapters)
+# ---------------------------------------------------------------------------------------------
+
+_intake: contextvars.ContextVar = contextvars.ContextVar("blazecore_intake", default=None)
+
+
+@contextlib.contextmanager
+def intake(fn: Callable[[Any], Any] | None):
+    """Within the block, :func:`asarray` first offers each object that is not a NumPy or CuPy array to
+    ``fn(obj)``, which returns a zero-copy ``cupy.ndarray`` (bf16 as its uint16 bits) or ``numpy.ndarray`` view
+    of it, or None to fall back to DLPack.
+
+    For adapters that already run the core on the framework's current stream: they can view their own arrays
+    directly (pointer, shape, strides) and skip DLPack's per-array stream handshake (``__dlpack__(stream=)``
+    queries and events), which costs tens of microseconds an array on the host.
+    """
+    if fn is not None and not callable(fn):
+        raise TypeError(f"intake: expected a callable obj -> array or None, or None; got {type(fn).__name__}")
+    token = _intake.set(fn)
+    try:
+        yield
+    finally:
+        _intake.reset(token)
 
 
 @dataclass

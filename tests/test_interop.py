@@ -111,3 +111,58 @@ def test_jax_tracer_is_one_clear_line():
     logits = jax.numpy.asarray(_host()["logits"])
     with pytest.raises(TypeError, match=r"^logits: a JAX tracer .* pass a concrete array"):
         jax.jit(lambda v: blazecore.router_z_loss(v))(logits)
+
+
+class _Wrapped:
+    """Not an array to DLPack: only an intake hook can read it."""
+
+    def __init__(self, a):
+        self.a = a
+
+
+def test_intake_hook_is_offered_first_and_may_decline():
+    from blazecore import _array
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    seen = []
+
+    def hook(obj):
+        seen.append(type(obj).__name__)
+        return obj.a if isinstance(obj, _Wrapped) else None
+
+    with _array.intake(hook):
+        assert blazecore.asarray(_Wrapped(a)) is a
+        assert blazecore.asarray(a) is a  # NumPy arrays never reach the hook
+        with pytest.raises(TypeError, match="expected a DLPack array"):
+            blazecore.asarray(object())  # declined: the usual path and its error
+    assert seen == ["_Wrapped", "object"]
+    with pytest.raises(TypeError, match="expected a DLPack array"):
+        blazecore.asarray(_Wrapped(a))  # outside the block: no hook
+    with pytest.raises(TypeError, match="intake: expected a callable"):
+        with _array.intake(42):
+            pass
+
+
+@pytest.mark.gpu
+def test_torch_cuda_views_equal_dlpack_views():
+    """The torch adapter's direct CuPy views (no DLPack) of contiguous, strided, transposed, offset and bf16
+    tensors read the same elements as DLPack's; tensors it does not take fall back (None)."""
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from blazecore_torch.ops import _cuda_view
+
+    base = torch.randn(7, 12, device="cuda")
+    cases = {"contiguous": base, "transposed": base.t(), "strided": base[1::2, ::3], "offset": base[3:, 5:],
+             "bf16": base.bfloat16()[:, 2:], "int32": torch.arange(10, device="cuda", dtype=torch.int32)[::2],
+             "int64": torch.arange(10, device="cuda")}
+    for name, t in cases.items():
+        v = _cuda_view(t)
+        assert v is not None, name
+        want = blazecore.asarray(t.contiguous())
+        np.testing.assert_array_equal(cupy.asnumpy(v), cupy.asnumpy(want), err_msg=name)
+        assert v.data.ptr == t.data_ptr(), name
+    for t in (base.requires_grad_(), torch.empty(0, 3, device="cuda"), torch.randn(3),
+              torch.randn(3, dtype=torch.complex64, device="cuda")):
+        assert _cuda_view(t) is None

@@ -73,12 +73,42 @@ def _torch_allocator(device: torch.device):
     return alloc
 
 
+_CUPY_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "uint16",  # bf16 as its bits
+                torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8",
+                torch.int16: "int16", torch.bool: "bool", torch.float64: "float64"}
+
+
+def _cuda_view(t):
+    """A zero-copy CuPy view of a plain, non-empty CUDA tensor that needs no grad (else None: DLPack decides).
+
+    Used inside :func:`_core_call` only, where CuPy's current stream is torch's: the view needs none of DLPack's
+    stream handshake. The view holds the tensor (its storage stays alive while the view lives).
+    """
+    if type(t) is not torch.Tensor or not t.is_cuda or t.requires_grad:
+        return None
+    name = _CUPY_DTYPES.get(t.dtype)
+    n = t.numel()
+    if name is None or n == 0:
+        return None
+    import cupy
+
+    item = t.element_size()
+    shape, stride = tuple(t.shape), t.stride()
+    if any(st < 0 for st in stride):
+        return None
+    span = (sum((n_ - 1) * st for n_, st in zip(shape, stride, strict=True)) + 1) * item
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.device.index)
+    return cupy.ndarray(shape, dtype=name, memptr=cupy.cuda.MemoryPointer(mem, 0),
+                        strides=tuple(st * item for st in stride))
+
+
 @contextlib.contextmanager
 def _core_call(device: torch.device):
     """Context for one core call on ``device``; yields the ``stream=`` argument (None on the CPU).
 
     On CUDA: the device is made current, torch's current stream becomes CuPy's current stream as well
-    (DLPack hand-overs then need no cross-stream event) and every output or workspace is ``torch.empty``.
+    (DLPack hand-overs then need no cross-stream event), tensors reach the core as direct CuPy views
+    (:func:`_cuda_view`) and every output or workspace is ``torch.empty``.
     """
     if device.type != "cuda":
         yield None
@@ -88,7 +118,7 @@ def _core_call(device: torch.device):
     with torch.cuda.device(device):
         handle = torch.cuda.current_stream(device).cuda_stream
         with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(handle, device.index):
-            with blazecore.allocator(_torch_allocator(device)):
+            with blazecore.allocator(_torch_allocator(device)), _array.intake(_cuda_view):
                 yield handle
 
 
