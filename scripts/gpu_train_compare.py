@@ -4,7 +4,8 @@
     python scripts/gpu_train_compare.py OUT_DIR [options] [-- train options]
 
 Runs ``python -m blazecore train`` twice on the GPU with the same seed (same initial weights, same
-batches), once as is and once with ``--baseline``, each in its own process (so each peak-memory figure
+batches), once as is and once with ``--baseline`` (the conventional MoE; ``--baseline grouped_mm`` for torch's
+grouped GEMM MoE), each in its own process (so each peak-memory figure
 is its own), and writes to OUT_DIR:
 
     blazecore.json, baseline.json    the two loss logs (``train --log``)
@@ -49,12 +50,14 @@ def _env() -> dict:
     return env
 
 
-def run_training(name: str, out_dir: pathlib.Path, common: list) -> tuple[int, pathlib.Path]:
+def run_training(name: str, out_dir: pathlib.Path, common: list, baseline: str = "conventional"
+                 ) -> tuple[int, pathlib.Path]:
     """Run one training, its output shown and saved to <name>.out; returns (exit status, log path)."""
     log = out_dir / f"{name}.json"
     if log.exists():
         log.unlink()
-    cmd = [sys.executable, "-m", "blazecore", "train", "--log", str(log), *RUNS[name], *common]
+    impl = [*RUNS[name], baseline] if name == "baseline" else RUNS[name]
+    cmd = [sys.executable, "-m", "blazecore", "train", "--log", str(log), *impl, *common]
     print(f"\n$ {' '.join(cmd)}", flush=True)
     with open(out_dir / f"{name}.out", "w") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
@@ -218,6 +221,8 @@ def main(argv=None) -> int:
                                  epilog="Options after -- go to both `blazecore train` runs.")
     ap.add_argument("out_dir", type=pathlib.Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", choices=("conventional", "grouped_mm"), default="conventional",
+                    help="the PyTorch MoE to compare with (train --baseline ...)")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: the GPU preset)")
     ap.add_argument("--start-rtol", type=float, default=0.01)
     ap.add_argument("--curve-rtol", type=float, default=0.08)
@@ -247,7 +252,7 @@ def main(argv=None) -> int:
     logs = {name: args.out_dir / f"{name}.json" for name in RUNS}
     if not args.compare_only:
         for name in RUNS:
-            rc, _ = run_training(name, args.out_dir, common)
+            rc, _ = run_training(name, args.out_dir, common, args.baseline)
             if rc != 0:
                 print(f"gpu_train_compare: the {name} run failed (exit status {rc}); see {args.out_dir / name}.out",
                       file=sys.stderr)
