@@ -729,3 +729,37 @@ def test_hf_backend_rejects_unsupported_activation():
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.BACKEND_NAME)
     with pytest.raises(NotImplementedError, match="hidden_act 'relu'"):
         model(torch.randint(3, 64, (1, 5)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_eager_calls_equal_the_dispatched_ops(device):
+    """In eager mode the public functions run the ops' implementations through one autograd.Function (no
+    dispatcher); the same computation through torch.ops.blazecore.* and their registered autograd gives the same
+    bits: router, losses, expert FFN, every gradient; and the saved pre-activations' version is bumped alike."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x, w13, w2, _, _, logits, b13, b2 = _inputs(37, 16, 8, 6, 2, dt, device=device, bias=True)
+    logits = logits.detach().float().requires_grad_(True)
+    tb = torch.ops.blazecore
+
+    def run(eager):
+        inputs = [t.detach().clone().requires_grad_(True) for t in (x, w13, w2, logits, b13, b2)]
+        xx, a, b, lg, c13, c2 = inputs
+        if eager:
+            gates, ids = ops.route_topk(lg, 2)
+            disp = ops.build_dispatch(ids, 6, validate=False)
+            y = ops.moe_ffn(xx, a, b, gates, ids, b13=c13, b2=c2, dispatch=disp)
+            aux = ops.load_balancing_loss(lg, ids) + ops.router_z_loss(lg)
+        else:
+            gates, ids = tb.route_topk(lg, 2, "softmax", True, None)
+            disp = tb.build_dispatch(ids, 6, False)
+            y, _ = tb.moe_forward(xx, a, b, gates, ids, *disp, c13, c2, "swiglu", "ab", 1, False)
+            aux = tb.load_balancing_loss(lg, ids) + tb.router_z_loss(lg)
+        loss = (y.float() * torch.linspace(-1, 1, y.shape[1], device=device)).sum() + aux
+        grads = torch.autograd.grad(loss, inputs)
+        return [y, gates, ids, aux, *grads]
+
+    names = ("y", "gates", "ids", "aux", "dx", "dw13", "dw2", "dlogits", "db13", "db2")
+    for name, a, b in zip(names, run(True), run(False), strict=True):
+        assert torch.equal(a, b), name

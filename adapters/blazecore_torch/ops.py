@@ -13,7 +13,11 @@ Ops (``torch.ops.blazecore.<name>``), each a ``torch.library.custom_op`` with ``
 
 The forward ops carry ``register_autograd`` wiring to the backward ops, which are custom ops themselves, so
 ``torch.compile`` sees one opaque node per direction. The Python functions at the bottom
-(:func:`route_topk`, :func:`build_dispatch`, :func:`moe_ffn`, ...) are the convenient entry points.
+(:func:`route_topk`, :func:`build_dispatch`, :func:`moe_ffn`, ...) are the convenient entry points. In plain
+eager mode (no compile or export tracing, no functorch transform, ordinary CPU/CUDA tensors) they run the same
+implementations, setup_context and backward functions through one ``torch.autograd.Function`` instead of the
+dispatcher, whose custom-op path costs a few hundred microseconds of host time a call (more than a router op's
+GPU time); mutated arguments get their version bumped as the dispatcher would.
 
 What the adapter does and does not do: no math. It converts tensors to blazecore's intake (DLPack,
 zero-copy; bf16 included), installs an allocator so every GPU output and workspace is a ``torch.empty``
@@ -41,6 +45,7 @@ the core's functions like every dtype, whose CPU path is the float64 NumPy refer
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import NamedTuple
 
 import numpy as np
@@ -156,11 +161,78 @@ def _check_same_device(tensors: dict) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------------
+# Eager calls without the dispatcher
+# ---------------------------------------------------------------------------------------------
+
+# Every op is a torch.library.custom_op (what torch.compile, export and opcheck see). In plain eager mode the
+# public functions call the same Python implementations through one torch.autograd.Function instead: the
+# dispatcher's custom-op path costs a few hundred microseconds of host time a call, more than a router op's
+# GPU time, so a layer of ten ops would wait on the host.
+_IMPLS: dict = {}  # op name -> the undecorated implementation
+_AUTOGRAD: dict = {}  # op name -> (setup_context, backward)
+_MUTATED: dict = {}  # op name -> positions of the arguments it writes
+
+
+def _op(name: str, mutates_args=()):
+    """``torch.library.custom_op`` as ``blazecore::<name>``, keeping the implementation for :func:`_run`."""
+    def deco(fn):
+        _IMPLS[name] = fn
+        params = list(inspect.signature(fn).parameters)
+        _MUTATED[name] = tuple(params.index(a) for a in mutates_args)
+        return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=mutates_args)(fn)
+
+    return deco
+
+
+def _autograd(op, name: str, backward, setup_context) -> None:
+    op.register_autograd(backward, setup_context=setup_context)
+    _AUTOGRAD[name] = (setup_context, backward)
+
+
+def _eager(args) -> bool:
+    """Whether a call may skip the dispatcher: eager mode, no functorch transform, plain CPU/CUDA tensors."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(a) is torch.Tensor and a.device.type in ("cpu", "cuda") for a in args
+               if isinstance(a, torch.Tensor))
+
+
+class _EagerOp(torch.autograd.Function):
+    """An op with autograd, run eagerly: the op's implementation, its setup_context and its backward."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        out = _IMPLS[name](*args)
+        _AUTOGRAD[name][0](ctx, args, out)
+        ctx.blazecore_op = name
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = _AUTOGRAD[ctx.blazecore_op][1](ctx, *grads)
+        return (None, *(g if isinstance(g, tuple) else (g,)))
+
+
+def _run(name: str, *args):
+    """``torch.ops.blazecore.<name>(*args)``, or in eager mode its implementation (through :class:`_EagerOp` when
+    it has autograd), with the version of every argument it writes bumped as the dispatcher would."""
+    if not _eager(args):
+        return getattr(torch.ops.blazecore, name)(*args)
+    if name in _AUTOGRAD and torch.is_grad_enabled():
+        return _EagerOp.apply(name, *args)
+    out = _IMPLS[name](*args)
+    for i in _MUTATED[name]:
+        if args[i] is not None:
+            torch.autograd.graph.increment_version(args[i])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Router
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_LIB}::route_topk", mutates_args=())
+@_op("route_topk", mutates_args=())
 def _route_topk_op(logits: torch.Tensor, top_k: int, score: str, renormalize: bool,
                    expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     logits, expert_bias = _detach(logits, expert_bias)
@@ -177,7 +249,7 @@ def _(logits, top_k, score, renormalize, expert_bias):
     return logits.new_empty((L, top_k), dtype=gdt), logits.new_empty((L, top_k), dtype=torch.int32)
 
 
-@torch.library.custom_op(f"{_LIB}::route_topk_backward", mutates_args=())
+@_op("route_topk_backward", mutates_args=())
 def _route_topk_backward_op(dgates: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor, score: str,
                             renormalize: bool) -> torch.Tensor:
     dgates, logits, expert_ids = _detach(dgates, logits, expert_ids)
@@ -203,18 +275,18 @@ def _route_backward(ctx, dgates, dids):
     logits, ids = ctx.saved_tensors
     if dgates is None:
         return None, None, None, None, None
-    dlogits = torch.ops.blazecore.route_topk_backward(dgates.contiguous(), logits, ids, ctx.score, ctx.renormalize)
+    dlogits = _run("route_topk_backward", dgates.contiguous(), logits, ids, ctx.score, ctx.renormalize)
     return dlogits, None, None, None, None
 
 
-_route_topk_op.register_autograd(_route_backward, setup_context=_route_setup)
+_autograd(_route_topk_op, "route_topk", _route_backward, _route_setup)
 
 
 def _loss_dtype(logits):
     return torch.float64 if _is_f64(logits) else torch.float32
 
 
-@torch.library.custom_op(f"{_LIB}::load_balancing_loss", mutates_args=())
+@_op("load_balancing_loss", mutates_args=())
 def _lb_loss_op(logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     logits, expert_ids = _detach(logits, expert_ids)
     with _core_call(logits.device) as stream:
@@ -226,7 +298,7 @@ def _(logits, expert_ids):
     return logits.new_empty((), dtype=_loss_dtype(logits))
 
 
-@torch.library.custom_op(f"{_LIB}::load_balancing_loss_backward", mutates_args=())
+@_op("load_balancing_loss_backward", mutates_args=())
 def _lb_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     dloss, logits, expert_ids = _detach(dloss, logits, expert_ids)
     with _core_call(logits.device) as stream:
@@ -246,13 +318,13 @@ def _lb_setup(ctx, inputs, output):
 
 def _lb_backward(ctx, dloss):
     logits, ids = ctx.saved_tensors
-    return torch.ops.blazecore.load_balancing_loss_backward(dloss, logits, ids), None
+    return _run("load_balancing_loss_backward", dloss, logits, ids), None
 
 
-_lb_loss_op.register_autograd(_lb_backward, setup_context=_lb_setup)
+_autograd(_lb_loss_op, "load_balancing_loss", _lb_backward, _lb_setup)
 
 
-@torch.library.custom_op(f"{_LIB}::router_z_loss", mutates_args=())
+@_op("router_z_loss", mutates_args=())
 def _z_loss_op(logits: torch.Tensor) -> torch.Tensor:
     (logits,) = _detach(logits)
     with _core_call(logits.device) as stream:
@@ -264,7 +336,7 @@ def _(logits):
     return logits.new_empty((), dtype=_loss_dtype(logits))
 
 
-@torch.library.custom_op(f"{_LIB}::router_z_loss_backward", mutates_args=())
+@_op("router_z_loss_backward", mutates_args=())
 def _z_loss_backward_op(dloss: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     dloss, logits = _detach(dloss, logits)
     with _core_call(logits.device) as stream:
@@ -283,10 +355,10 @@ def _z_setup(ctx, inputs, output):
 
 def _z_backward(ctx, dloss):
     (logits,) = ctx.saved_tensors
-    return torch.ops.blazecore.router_z_loss_backward(dloss, logits)
+    return _run("router_z_loss_backward", dloss, logits)
 
 
-_z_loss_op.register_autograd(_z_backward, setup_context=_z_setup)
+_autograd(_z_loss_op, "router_z_loss", _z_backward, _z_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +366,7 @@ _z_loss_op.register_autograd(_z_backward, setup_context=_z_setup)
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_LIB}::build_dispatch", mutates_args=())
+@_op("build_dispatch", mutates_args=())
 def _build_dispatch_op(expert_ids: torch.Tensor, num_experts: int,
                        validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     with _core_call(expert_ids.device) as stream:
@@ -322,7 +394,7 @@ def _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L: int, K: int
                               a(pair_slot, "pair_slot"), L, K, int(expert_offsets.shape[0]) - 1)
 
 
-@torch.library.custom_op(f"{_LIB}::moe_forward", mutates_args=())
+@_op("moe_forward", mutates_args=())
 def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                     slot_k: torch.Tensor, pair_slot: torch.Tensor, b13: torch.Tensor | None,
@@ -348,7 +420,7 @@ def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_sl
     return torch.empty_like(x), x.new_empty((rows, R))
 
 
-@torch.library.custom_op(f"{_LIB}::moe_backward", mutates_args=("ab",))
+@_op("moe_backward", mutates_args=("ab",))
 def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                      expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                      slot_k: torch.Tensor, pair_slot: torch.Tensor, ab: torch.Tensor, b13: torch.Tensor | None,
@@ -417,14 +489,15 @@ def _moe_backward(ctx, dy, dab):
         ab = ab.clone()
     elif not ab.numel():
         ab = ab.new_empty(ab.shape)  # "none": nothing is overwritten; keep the saved placeholder's version as it is
-    dx, dw13, dw2, dgates, db13, db2 = torch.ops.blazecore.moe_backward(
+    dx, dw13, dw2, dgates, db13, db2 = _run(
+        "moe_backward",
         dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
         ctx.activation, ctx.checkpoint, ctx.chunks)
     return (dx, dw13, dw2, dgates, None, None, None, None, None, db13 if b13 is not None else None,
             db2 if b2 is not None else None, None, None, None, None)
 
 
-_moe_forward_op.register_autograd(_moe_backward, setup_context=_moe_setup)
+_autograd(_moe_forward_op, "moe_forward", _moe_backward, _moe_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +537,7 @@ def route_topk(logits: torch.Tensor, top_k: int, *, score: str = "softmax", reno
     _check_same_device({"logits": logits, "expert_bias": expert_bias})
     if expert_bias is not None:
         expert_bias = expert_bias.detach().to(torch.float64 if _is_f64(logits) else torch.float32).contiguous()
-    return torch.ops.blazecore.route_topk(logits.contiguous(), int(top_k), score, bool(renormalize), expert_bias)
+    return _run("route_topk", logits.contiguous(), int(top_k), score, bool(renormalize), expert_bias)
 
 
 def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool = True) -> TorchDispatch:
@@ -476,7 +549,7 @@ def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool
         validate: check the id values (on CUDA a device-to-host read that synchronises the stream; pass
             False for ids from :func:`route_topk`, or under CUDA-graph capture). The CPU always checks.
     """
-    return TorchDispatch(*torch.ops.blazecore.build_dispatch(expert_ids.contiguous(), int(num_experts),
+    return TorchDispatch(*_run("build_dispatch", expert_ids.contiguous(), int(num_experts),
                                                              bool(validate)))
 
 
@@ -513,7 +586,7 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
     if dispatch is None:
         dispatch = build_dispatch(expert_ids, w13.shape[0])
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
-    y, _ = torch.ops.blazecore.moe_forward(c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
+    y, _ = _run("moe_forward", c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
                                            activation, checkpoint, int(chunks), bool(retain_saved))
     return y
 
@@ -521,9 +594,9 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
 def load_balancing_loss(logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """Switch load-balancing loss E * sum_e f_e P_e, a 0-d float32 (float64) tensor, differentiable w.r.t. logits."""
     _check_same_device({"logits": logits, "expert_ids": expert_ids})
-    return torch.ops.blazecore.load_balancing_loss(logits.contiguous(), expert_ids.contiguous())
+    return _run("load_balancing_loss", logits.contiguous(), expert_ids.contiguous())
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss mean_t logsumexp(logits_t)^2, a 0-d float32 (float64) tensor, differentiable."""
-    return torch.ops.blazecore.router_z_loss(logits.contiguous())
+    return _run("router_z_loss", logits.contiguous())
