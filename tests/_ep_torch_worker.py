@@ -138,6 +138,21 @@ class _Model(nn.Module):
         return self.out(hid + y)
 
 
+def _batches(g, world, L, d):
+    """Every rank's inputs and targets for one step, float64: (xs, ts), a list of world (L, d) tensors each."""
+    xs = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+    ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+    return xs, ts
+
+
+def _check_like_ref(tag, named_params, ref, sl):
+    """Each parameter equals the single-process model's (the experts: this rank's slice ``sl`` of them)."""
+    want = dict(ref.named_parameters())
+    for n, p in named_params:
+        key = n.replace("moe.experts.", "moe.")
+        _close(f"{tag}: {n}", p, want[key][sl] if "experts" in n else want[key], rtol=1e-9)
+
+
 def suite_fsdp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -162,8 +177,7 @@ def suite_fsdp(rank, world):
     sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
     g = torch.Generator().manual_seed(5)
     for step in range(steps):
-        xs = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
-        ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        xs, ts = _batches(g, world, L, d)
         # single process: the mean loss over every rank's tokens
         opt_ref.zero_grad()
         ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
@@ -171,12 +185,8 @@ def suite_fsdp(rank, world):
         opt.zero_grad()
         ((model(xs[rank]) - ts[rank]) ** 2).mean().backward()
         opt.step()
-        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
-        want = dict(ref.named_parameters())
-        for n, p in full.items():
-            key = n.replace("moe.experts.", "moe.")
-            w = want[key][sl] if "experts" in n else want[key]
-            _close(f"fsdp step {step}: {n}", p, w, rtol=1e-9)
+        full = [(n, p.full_tensor() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
+        _check_like_ref(f"fsdp step {step}", full, ref, sl)
     print(f"OK fsdp dp={dp} ep={epn} steps={steps}", flush=True)
     _check_ddp(rank, world)
 
@@ -197,8 +207,7 @@ def _check_ddp(rank, world):
     sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
     g = torch.Generator().manual_seed(6)
     for step in range(steps):
-        xs = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
-        ts = [torch.randn(L, d, generator=g, dtype=torch.float64) for _ in range(world)]
+        xs, ts = _batches(g, world, L, d)
         opt_ref.zero_grad()
         ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
@@ -210,10 +219,7 @@ def _check_ddp(rank, world):
         assert norm_ref > 0.05, "the clipping threshold must bite"
         _close(f"ddp step {step}: grad norm", norm, norm_ref, rtol=1e-6)
         opt.step()
-        want = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            key = n.replace("moe.experts.", "moe.")
-            _close(f"ddp step {step}: {n}", p, want[key][sl] if "experts" in n else want[key], rtol=1e-9)
+        _check_like_ref(f"ddp step {step}", model.named_parameters(), ref, sl)
     print(f"OK ddp dp={world // epn} ep={epn}", flush=True)
 
 

@@ -36,23 +36,18 @@ def test_ep_on_four_host_devices():
     assert len(done) == 11 and sum("ragged" in line for line in done) == 3, proc.stdout
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["ragged", "padded"])
-def test_ep_one_gpu_matches_moe_layer(exchange):
-    """A one-device ("ep",) mesh on the GPU: both exchanges (ragged_all_to_all runs only on GPUs) against moe_layer,
-    float32, output and every gradient."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("JAX has no GPU backend here")
+def _check_matches_moe_layer(devices, exchange: str, L: int) -> None:
+    """ep_moe_layer over an ("ep",) mesh of ``devices`` against moe_layer, float32: y and every gradient."""
     import jax.numpy as jnp
     from blazecore_jax import init_moe_params, moe_layer
     from blazecore_jax.parallel import ep_moe_layer
     from jax.sharding import Mesh
 
-    d, h, E, K, L = 128, 64, 8, 2, 300
+    d, h, E, K = 128, 64, 8, 2
     params = init_moe_params(jax.random.key(0), d, h, E)
     x = jax.random.normal(jax.random.key(1), (L, d), jnp.float32)
     dy = jax.random.normal(jax.random.key(2), (L, d), jnp.float32)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    mesh = Mesh(np.array(devices), ("ep",))
 
     def run(fn):
         def loss(p, xx):
@@ -67,7 +62,17 @@ def test_ep_one_gpu_matches_moe_layer(exchange):
     for name, w in want.items():
         a, b = np.asarray(got[name], np.float64), np.asarray(w, np.float64)
         err = np.linalg.norm(a - b) / np.linalg.norm(b)
-        assert err < 1e-5, f"{name}: relative norm error {err:.2e}"
+        assert err < 1e-5, f"{name} over {len(devices)} device(s): relative norm error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+def test_ep_one_gpu_matches_moe_layer(exchange):
+    """A one-device ("ep",) mesh on the GPU: both exchanges (ragged_all_to_all runs only on GPUs) against moe_layer,
+    float32, output and every gradient."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX has no GPU backend here")
+    _check_matches_moe_layer(jax.devices()[:1], exchange, 300)
 
 
 @pytest.mark.gpu
@@ -76,29 +81,5 @@ def test_ep_all_gpus_matches_moe_layer(exchange):
     """With 2 or more GPUs: the experts over all of them (up to 8), both exchanges, float32, against moe_layer."""
     if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
         pytest.skip("needs JAX with 2 or more GPUs")
-    import jax.numpy as jnp
-    from blazecore_jax import init_moe_params, moe_layer
-    from blazecore_jax.parallel import ep_moe_layer
-    from jax.sharding import Mesh
-
     n = min(8, 1 << (len(jax.devices()).bit_length() - 1))
-    d, h, E, K, L = 128, 64, 8, 2, 96 * n
-    params = init_moe_params(jax.random.key(0), d, h, E)
-    x = jax.random.normal(jax.random.key(1), (L, d), jnp.float32)
-    dy = jax.random.normal(jax.random.key(2), (L, d), jnp.float32)
-    mesh = Mesh(np.array(jax.devices()[:n]), ("ep",))
-
-    def run(fn):
-        def loss(p, xx):
-            y, _ = fn(p, xx)
-            return jnp.sum(y * dy), y
-
-        (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-        return {"y": y, "dx": g[1], **{f"d {k}": v for k, v in g[0].items()}}
-
-    want = run(lambda p, xx: moe_layer(p, xx, top_k=K))
-    got = run(lambda p, xx: ep_moe_layer(p, xx, mesh=mesh, top_k=K, exchange=exchange))
-    for name, w in want.items():
-        a, b = np.asarray(got[name], np.float64), np.asarray(w, np.float64)
-        err = np.linalg.norm(a - b) / np.linalg.norm(b)
-        assert err < 1e-5, f"{name} over {n} GPUs: relative norm error {err:.2e}"
+    _check_matches_moe_layer(jax.devices()[:n], exchange, 96 * n)
