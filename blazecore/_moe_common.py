@@ -22,17 +22,45 @@ CHECKPOINTS = ("ab", "none")
 BLOCK_TOKENS = 16384
 
 
+# A gated activation's name with this suffix reads w13's 2h rows (and b13, and the saved pre-activations) as
+# interleaved (gate, up) pairs [g0, u0, g1, u1, ...] instead of [gate rows; up rows] (gpt-oss stores them so).
+INTERLEAVED = "_interleaved"
+# How w13 and w2 are stored per expert: "out_in" (E, 2h or h, d) and (E, d, h), as nn.Linear's weight;
+# "in_out" (E, d, 2h or h) and (E, h, d), the transposes (gpt-oss, Llama 4). Gradients come in the same layout.
+WEIGHT_LAYOUTS = ("out_in", "in_out")
+
+
+def split_activation(name: str) -> tuple[str, bool]:
+    """(base activation, interleaved) of an activation name; ValueError for an unknown one."""
+    base = name[:-len(INTERLEAVED)] if isinstance(name, str) and name.endswith(INTERLEAVED) else name
+    if not isinstance(base, str) or base not in _GATED or (base != name and not _GATED[base]):
+        raise ValueError(f"unknown activation {name!r} (expected one of {', '.join(ACTIVATIONS)}, or a gated one "
+                         f"with the suffix {INTERLEAVED!r} for interleaved gate/up rows)")
+    return base, base != name
+
+
 def activation_info(name: str) -> bool:
     """Whether activation ``name`` is gated (hcur = act(a) * b from 2h first-GEMM rows).
 
     Names: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b, "swiglu_oai" gpt-oss's clamped SwiGLU
     a' sigmoid(1.702 a') (b' + 1) with a' = min(a, 7), b' = clip(b, -7, 7) (gated); "gelu" gelu_tanh(z),
-    "silu" silu(z), "relu2" max(z, 0)**2 (non-gated). Raises ValueError for any other name.
+    "silu" silu(z), "relu2" max(z, 0)**2 (non-gated). A gated name may end with "_interleaved" (INTERLEAVED):
+    w13's rows then alternate gate and up. Raises ValueError for any other name.
     """
-    try:
-        return _GATED[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown activation {name!r} (expected one of {', '.join(ACTIVATIONS)})") from None
+    return _GATED[split_activation(name)[0]]
+
+
+def check_weight_layout(layout) -> str:
+    if not isinstance(layout, str) or layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {', '.join(map(repr, WEIGHT_LAYOUTS))}, got {layout!r}")
+    return layout
+
+
+def weight_dims(w13_shape, w2_shape, layout: str) -> tuple[tuple, tuple]:
+    """The (E, R, d) and (E, d, h) shapes of w13 and w2 given in ``layout``."""
+    if layout == "in_out":
+        return (w13_shape[0], w13_shape[2], w13_shape[1]), (w2_shape[0], w2_shape[2], w2_shape[1])
+    return tuple(w13_shape), tuple(w2_shape)
 
 
 def _count(v, name: str, least: int) -> int:
@@ -113,6 +141,7 @@ class MoESaved:
     chunks: int = 1
     block_tokens: int = BLOCK_TOKENS
     chunk_dispatches: tuple = ()
+    weight_layout: str = "out_in"  # how w13 and w2 (and so dw13, dw2) are stored: one of WEIGHT_LAYOUTS
 
     def held_bytes(self) -> int:
         """Bytes this record keeps alive beyond the layer's inputs: the dispatch, ``ab`` and ``extra``.

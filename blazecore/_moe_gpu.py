@@ -25,7 +25,17 @@ import numpy as np
 
 from . import _array, _compile, _tma
 from ._array import BF16, logical_dtype
-from ._moe_common import MoEGrads, MoESaved, Sizes, check_dispatch, check_gpu_device, chunk_bounds, grad_outs, user
+from ._moe_common import (
+    MoEGrads,
+    MoESaved,
+    Sizes,
+    check_dispatch,
+    check_gpu_device,
+    chunk_bounds,
+    grad_outs,
+    split_activation,
+    user,
+)
 from .dispatch import _validate_gpu, build_dispatch
 
 _FILE = "moe.cu"
@@ -34,6 +44,7 @@ BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 
 NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
 _GATED = {"swiglu", "geglu", "swiglu_oai"}
+ACT_INTERLEAVED = 8  # moe_common.cuh's ACT_INTERLEAVED: or'ed into a gated Act id for interleaved gate/up rows
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 BM = BN = 128
 STAGES = 4
@@ -53,20 +64,22 @@ def _gemm_name(ct, mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather):
     return f"blz::moe_gemm<{ct}, {mode}, {b(a_kmajor)}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {b(b_gather)}>"
 
 
-def _variants(act):
-    """name -> (mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather) for one (dtype, activation)."""
+def _variants(act, t=False):
+    """name -> (mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather) for one (dtype, activation, weight layout);
+    ``t``: weights stored "in_out" (w13 (E, d, R), w2 (E, h, d)), which flips B's major-ness of the M-grouped GEMMs
+    and swaps the operands of the weight gradients (dw13^T = x_g^T dz, dw2^T = (g hcur)^T dy_g)."""
     return {
-        "gemm1": (MODE_M, True, True, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
-        "gemm2": (MODE_M, True, True, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
-        "dhcur": (MODE_M, True, False, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
-        "dx": (MODE_M, True, False, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
-        "dw2": (MODE_K, False, False, EPI_WGRAD, 0, True, False),  # dw2 = dy_g^T (g hcur)
-        "dw13": (MODE_K, False, False, EPI_WGRAD, 0, False, True),  # dw13 = dz^T x_g
+        "gemm1": (MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
+        "gemm2": (MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
+        "dhcur": (MODE_M, True, t, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
+        "dx": (MODE_M, True, t, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
+        "dw2": (MODE_K, False, False, EPI_WGRAD, 0, not t, t),  # dw2 = dy_g^T (g hcur)
+        "dw13": (MODE_K, False, False, EPI_WGRAD, 0, t, not t),  # dw13 = dz^T x_g
     }
 
 
-def _module_names(ct, act):
-    names = [_gemm_name(ct, *v) for v in _variants(act).values()]
+def _module_names(ct, act, t=False):
+    names = [_gemm_name(ct, *v) for v in _variants(act, t).values()]
     names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
               "blz::moe_block_starts", "blz::moe_mark_seen"]
     return names
@@ -137,8 +150,14 @@ def _persistent_grid(grid):
 _compile.register_kernels(
     _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
 )
+def _act_codes():
+    """Every Act id the mma.sync kernels take: each activation, and each gated one interleaved."""
+    return [*_ACT_IDS.values(), *(_ACT_IDS[a] | ACT_INTERLEAVED for a in sorted(_GATED))]
+
+
 _compile.register_kernels(
-    _FILE, [n for ct in _CTYPES.values() for a in _ACT_IDS.values() for n in _module_names(ct, a)]
+    _FILE, list(dict.fromkeys(n for ct in _CTYPES.values() for a in _act_codes() for t in (False, True)
+                              for n in _module_names(ct, a, t)))
 )
 
 
@@ -150,22 +169,26 @@ def _smem_bytes(itemsize, a_kmajor, b_kmajor):
 
 
 class _Kernels:
-    """The compiled functions for one (dtype, activation)."""
+    """The compiled functions for one (dtype, activation, weight layout)."""
 
-    def __init__(self, dtype, activation, b_load=None):
+    def __init__(self, dtype, activation, b_load=None, weight_layout="out_in"):
+        base, self.interleaved = split_activation(activation)
+        self.t = weight_layout == "in_out"  # weights stored (E, in, out)
         self.ct = _CTYPES[np.dtype(dtype)]
-        self.act = _ACT_IDS[activation]
+        self.act = _ACT_IDS[base] | (ACT_INTERLEAVED if self.interleaved else 0)
         self.itemsize = np.dtype(dtype).itemsize
-        self.names = _module_names(self.ct, self.act)
-        self.variants = _variants(self.act)
-        self.gated = activation in _GATED
+        self.names = _module_names(self.ct, self.act, self.t)
+        self.variants = _variants(self.act, self.t)
+        self.gated = base in _GATED
         self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
         # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
         # follows its own arch only: the memory model is a function of its arguments)
-        self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and (
-            _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0")
+        # (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run the mma.sync kernels)
+        self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
+            _compile.device_arch() == "sm_90a" and (_array.dry() is not None or
+                                                    os.environ.get("BLAZECORE_SM90", "1") != "0")
 
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
@@ -247,26 +270,28 @@ def check_shapes(x, w2):
         raise ValueError(f"the GPU kernels need d and h to be multiples of 8 (16-byte rows); got d={d}, h={h}")
 
 
-def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, zbuf, stream):
-    tiles_n = kern.tiles_n("gemm1", h, gated=activation in _GATED)
+def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream):
+    tiles_n = kern.tiles_n("gemm1", h, gated=kern.gated)
     d = x.shape[1]
-    H2 = w13.shape[1]
+    H2 = w13.shape[2 if kern.t else 1]
     flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
-    _launch_gemm(kern, "gemm1", _m_grid(LK, E, tiles_n), stream, A=x, lda=d, B=w13, ldb=d, b_estride=H2 * d,
+    # w13 (E, H2, d): K-major rows of d; "in_out" (E, d, H2): N-major, k-rows of H2
+    _launch_gemm(kern, "gemm1", _m_grid(LK, E, tiles_n), stream, A=x, lda=d, B=w13, ldb=H2 if kern.t else d,
+                 b_estride=H2 * d,
                  disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d,
                  out=hbuf if hbuf is not None else zbuf, ldo=h, out2=zbuf, ldo2=H2,
                  bias=b13, bias_estride=H2, flags=flags)
 
 
-def _dims(x, w13, w2, gates):
-    """(L, d, E, h, K, L*K, H2, dtype) of one layer call."""
+def _dims(x, w13, w2, gates, t=False):
+    """(L, d, E, h, K, L*K, H2, dtype) of one layer call (``t``: weights stored "in_out")."""
     L, d = x.shape
-    E, _, h = w2.shape
+    E, h = w2.shape[0], w2.shape[1 if t else 2]
     K = gates.shape[1]
-    return L, d, E, h, K, L * K, w13.shape[1], logical_dtype(x)
+    return L, d, E, h, K, L * K, w13.shape[2 if t else 1], logical_dtype(x)
 
 
-def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream):
+def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream, weight_layout="out_in"):
     """y = combine_k g * expert(x), chunk by chunk; returns (z_user or None, extra).
 
     ``chunks`` lists (t0, t1, dispatch of expert_ids[t0:t1]) covering [0, L) in order. The transients (hcur and
@@ -275,22 +300,23 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
     (t0, t1)'s pre-activations in that chunk's expert-slot order.
     """
     stream = _array.current_stream(stream)
-    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+    t = weight_layout == "in_out"
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, t)
     z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
     if L == 0:
         return (z.user if z is not None else None), {}
-    kern = _Kernels(dt, activation)
+    kern = _Kernels(dt, activation, weight_layout=weight_layout)
     for t0, t1, disp in chunks:
         zc = z.view[t0 * K:t1 * K] if z is not None else None
-        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, activation, b13, b2, y[t0:t1], zc, stream)
+        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, b13, b2, y[t0:t1], zc, stream)
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
-def _forward_chunk(kern, x, w13, w2, gates, disp, activation, b13, b2, y, z, stream):
-    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream):
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     hbuf = _array.empty_gpu((LK, h), dt).view
-    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, activation, hbuf, z, stream)
+    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, z, stream)
     # o = g * (hcur w2^T) per slot, then the deterministic combine into y, in column slices of d (o_slices): each
     # element is computed as in one slice, and the per-slot rows take (L*K, width) beside hcur
     sl = o_slices(d)
@@ -298,8 +324,9 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, activation, b13, b2, y, z, str
     for i, (c0, c1) in enumerate(sl):
         w = c1 - c0
         rows = obuf[:LK * w].reshape(LK, w)
+        # w2 (E, d, h): rows c0.. of d, K-major; "in_out" (E, h, d): columns c0.., N-major
         _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=hbuf, lda=h,
-                     B=w2[:, c0:], ldb=h, b_estride=d * h,
+                     B=w2[:, :, c0:] if kern.t else w2[:, c0:], ldb=d if kern.t else h, b_estride=d * h,
                      disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=h, out=rows, ldo=w,
                      bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
         if i == len(sl) - 1:
@@ -319,8 +346,11 @@ class _Carry:
     """
 
     def __init__(self, kern, E, d, h, H2, db13, db2):
-        self.grid13 = E * -(-H2 // BM) * kern.tiles_n("dw13", d)
-        self.grid2 = E * -(-h // BM) * kern.tiles_n("dw2", d) if kern.sm90 else E * -(-d // BM) * kern.tiles_n("dw2", h)
+        # one slice per CTA of the weight-gradient launches (their grids: see _backward_chunk)
+        rows_cols13 = (d, H2) if kern.t else (H2, d)
+        rows_cols2 = (h, d) if kern.sm90 or kern.t else (d, h)
+        self.grid13 = E * -(-rows_cols13[0] // BM) * kern.tiles_n("dw13", rows_cols13[1])
+        self.grid2 = E * -(-rows_cols2[0] // BM) * kern.tiles_n("dw2", rows_cols2[1])
         bn = kern.gemm("dw13")[3]
         self.dw13 = _array.empty_gpu((self.grid13 * BM * bn,), np.float32).view
         self.dw2 = _array.empty_gpu((self.grid2 * BM * bn,), np.float32).view
@@ -352,7 +382,7 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
     """
     stream = _array.current_stream(stream)
     x, w13, w2, gates = saved.x, saved.w13, saved.w2, saved.gates
-    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, saved.weight_layout == "in_out")
     if L == 0:
         dw13.fill(0)
         dw2.fill(0)
@@ -360,7 +390,7 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
             if b is not None:
                 b.fill(0)
         return
-    kern = _Kernels(dt, saved.activation)
+    kern = _Kernels(dt, saved.activation, weight_layout=saved.weight_layout)
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
@@ -387,13 +417,12 @@ def _block_starts(kern, disp, E, L, block_tokens, stream):
 def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_tokens, dx, dw13, dw2, dgates, db13,
                     db2, carry, flags, stream):
     w13, w2 = saved.w13, saved.w2
-    activation = saved.activation
-    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates)
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     in_place = reuse_saved
     if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations into a transient
         z = _array.empty_gpu((LK, H2), dt).view
-        _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, activation, None, z, stream)
+        _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, None, z, stream)
         in_place = True
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen}
 
@@ -412,11 +441,18 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     for c0, c1 in slices:
         w = c1 - c0
         hg = hgbuf[:LK * w].reshape(LK, w)
-        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d, B=w2[:, :, c0:],
-                     ldb=h, b_estride=d * h, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
-                     out=dz[:, c0:], ldo=H2, o_estride=h if gated else 0, out2=hg, ldo2=w, aux=z[:, c0:],
+        zc0 = 2 * c0 if kern.interleaved else c0  # the slice's first column of z / dz
+        # w2 (E, d, h): columns c0.. of h, N-major; "in_out" (E, h, d): rows c0.., K-major
+        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
+                     B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
+                     tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d, out=dz[:, zc0:], ldo=H2,
+                     o_estride=h if gated and not kern.interleaved else 0, out2=hg, ldo2=w, aux=z[:, zc0:],
                      ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
-        if kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
+        if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
+            _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, c0:], ldo=d,
+                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
+        elif kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
             _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
                          b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
                          o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
@@ -434,11 +470,15 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         stream=stream,
     )
     del part
-    # dw13_e = dz^T x_g
-    _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
-                 b_estride=0,
-                 disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d, o_estride=H2 * d,
-                 kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
+    # dw13_e = dz^T x_g; stored "in_out" (E, d, H2): dw13_e^T = x_g^T dz
+    if kern.t:
+        _launch_gemm(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", H2), stream, A=x, lda=d, B=dz, ldb=H2,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=H2, Kd=0, out=dw13, ldo=H2,
+                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
+    else:
+        _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d,
+                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
     cin, cout = np.int32(flags & 1), np.int32((flags >> 1) & 1)
     if db13 is not None:
         kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
@@ -461,8 +501,9 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         if dxs is None:
             dxs = _array.empty_gpu((LK * w,), dt).view
         rows = dxs[:LK * w].reshape(LK, w)
-        _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2, B=w13[:, :, c0:],
-                     ldb=d, b_estride=H2 * d,
+        # w13 (E, H2, d): columns c0.. of d, N-major; "in_out" (E, d, H2): rows c0.., K-major
+        _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2,
+                     B=w13[:, c0:] if kern.t else w13[:, :, c0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
                      disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=H2, out=rows, ldo=w)
         kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
                                                 (rows, disp.pair_slot, np.int32(K), np.int32(w), dx[:, c0:],
@@ -516,7 +557,7 @@ def chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
 
 
 def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkpoint, dispatch, out, stream,
-                  chunking):
+                  chunking, weight_layout="out_in"):
     """:func:`blazecore.moe.moe_forward` on validated CuPy views on the current device: y, the dispatch (or one
     per chunk), then :func:`forward`. Returns (y as the allocator gave it, :class:`MoESaved`)."""
     dev = x.device.id
@@ -541,9 +582,10 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
             extra = {}
         else:
             chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
-            ab, extra = forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2, y.view, s)
+            ab, extra = forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2, y.view, s,
+                                weight_layout)
     saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
-                     chunks=chunking[0], block_tokens=chunking[1],
+                     chunks=chunking[0], block_tokens=chunking[1], weight_layout=weight_layout,
                      chunk_dispatches=chunk_disp if len(bounds) > 1 else ())
     return y.user, saved
 

@@ -30,10 +30,13 @@ from ._moe_common import (
     ACTIVATIONS,
     BLOCK_TOKENS,
     CHECKPOINTS,
+    WEIGHT_LAYOUTS,
     MoEGrads,
     MoESaved,
     activation_info,
+    check_weight_layout,
     chunk_bounds,
+    weight_dims,
 )
 from ._moe_common import Sizes as _Sizes
 from ._moe_common import check_chunking as _check_chunking
@@ -138,8 +141,9 @@ def ffn_shapes(x, w13, w2, gates, expert_ids, *, activation: str, b13=None, b2=N
     return L, d, E, R, h, K
 
 
-def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2):
+def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2, weight_layout="out_in"):
     gated = activation_info(activation)
+    check_weight_layout(weight_layout)
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of {', '.join(CHECKPOINTS)})")
     x = _array.asarray(x, "x")
@@ -172,8 +176,16 @@ def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, 
     if idt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"expert_ids: dtype {idt.name} not supported (expected int32 or int64)")
 
-    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, ids.shape, activation=activation,
-                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
+    w13_shape, w2_shape = weight_dims(w13.shape, w2.shape, weight_layout) if len(w13.shape) == len(w2.shape) == 3 \
+        else (w13.shape, w2.shape)
+    try:
+        L, d, E, R, h, K = ffn_shapes(x.shape, w13_shape, w2_shape, gates.shape, ids.shape, activation=activation,
+                                      b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
+    except ValueError as exc:
+        if weight_layout == "in_out":  # the shapes in the message are the (out, in) ones the check compares
+            raise ValueError(f"{exc} (weight_layout 'in_out': w13 {tuple(w13.shape)} is read as {tuple(w13_shape)}, "
+                             f"w2 {tuple(w2.shape)} as {tuple(w2_shape)})") from None
+        raise
 
     for name, a in arrays.items():
         _validate.check_contiguous(a, name)
@@ -208,7 +220,7 @@ def _intake_backward(dy, saved):
 
 def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab",
                 b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False,
-                chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None):
+                chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None, weight_layout: str = "out_in"):
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
@@ -220,7 +232,9 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         w2: (E, d, h), x's dtype.
         gates: (L, K) float32, the routing weights of each token's K experts.
         expert_ids: (L, K) int32 or int64, row t holds K distinct experts in [0, E). 1 <= K <= E.
-        activation: one of ``ACTIVATIONS`` ("swiglu", "geglu", "gelu", "silu", "relu2", "swiglu_oai").
+        activation: one of ``ACTIVATIONS`` ("swiglu", "geglu", "gelu", "silu", "relu2", "swiglu_oai"); a gated
+            one may carry the suffix "_interleaved": w13's 2h rows (and b13's entries) then alternate gate and up,
+            [g0, u0, g1, u1, ...] (gpt-oss), and so do the saved pre-activations' columns.
         checkpoint: "ab" (save the (L*K, R) pre-activations) or "none" (recompute them).
         b13: optional (E, R) bias of the first GEMM, x's dtype (R = w13.shape[1]).
         b2: optional (E, d) bias of the second GEMM, x's dtype.
@@ -243,6 +257,10 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             depend on it in the last bits, so runs compared bit for bit must share it).
         memory_budget: for ``chunks="auto"``: bytes, or a fraction in (0, 1] of the device's free memory
             (default 0.9 of it); the CPU path always runs one chunk for "auto" (and still checks the budget).
+        weight_layout: "out_in" (default): w13 (E, R, d) and w2 (E, d, h), (out, in) per expert like nn.Linear;
+            "in_out": the transposes, w13 (E, d, R) and w2 (E, h, d), read as stored (no copy); the backward's
+            dw13 and dw2 then come in that layout too. On the GPU, "in_out" and interleaved activations run on
+            the mma.sync kernels (the sm_90a wgmma kernels read the "out_in" [gate; up] layout only).
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -258,7 +276,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     """
     caller = x
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
-        x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2)
+        x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2, weight_layout)
     if isinstance(dispatch, Dispatch):  # its arrays as the intake's views (a CPU one may hold torch tensors)
         views = {f: _array.asarray(getattr(dispatch, f), f"dispatch.{f}") for f in _DISPATCH_ARRAYS}
         if any(v is not getattr(dispatch, f) for f, v in views.items()):
@@ -279,10 +297,11 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     chunking = (int(chunks), int(block_tokens))
     if gpu:
         return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream,
-                            chunking)
+                            chunking, weight_layout)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
-    y, saved = _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking)
+    y, saved = _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking,
+                            weight_layout)
     return _array.like_caller(y, caller), saved
 
 
@@ -336,10 +355,19 @@ def moe_backward(dy, saved: MoESaved, *, out_dx=None, out_dw13=None, out_dw2=Non
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, chunking):
+def _out_in(w13, w2, layout):
+    """w13 (E, R, d) and w2 (E, d, h) views of weights stored in ``layout`` (CPU; the reference reads views)."""
+    return (w13.transpose(0, 2, 1), w2.transpose(0, 2, 1)) if layout == "in_out" else (w13, w2)
+
+
+def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, chunking,
+                 weight_layout):
     # The float64 reference runs all tokens at once whatever the chunking (chunks shape the GPU's memory use
     # only; the reference has no transient it could bound); ``ab`` keeps the GPU path's layout per chunk.
     from .reference import moe as ref
+
+    saved_w13, saved_w2 = w13, w2
+    w13, w2 = _out_in(w13, w2, weight_layout)
 
     y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, False, "out")
     if dispatch is None:
@@ -352,15 +380,15 @@ def _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkp
     if checkpoint == "ab":
         # held like the GPU path holds it (same shape, dtype, slot order) so held bytes compare;
         # the CPU backward recomputes in float64 from x, so both policies give identical gradients
-        z = ref.moe_preact_ref(x, w13, ids, b13).reshape(sz.L * sz.K, sz.R)
+        z = ref.moe_preact_ref(x, w13, ids, b13).reshape(sz.L * sz.K, sz.R)  # w13's row order: interleaved too
         parts = []
         for t0, t1 in chunk_bounds(sz.L, *chunking):
             dc = dispatch if (t0, t1) == (0, sz.L) else build_dispatch(ids[t0:t1], sz.E)
             parts.append(t0 * sz.K + dc.slot_token.astype(np.int64) * sz.K + dc.slot_k)
         pair = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         ab = np.ascontiguousarray(z[pair].astype(sz.dtype))
-    saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab,
-                     chunks=chunking[0], block_tokens=chunking[1])
+    saved = MoESaved(x, saved_w13, saved_w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab,
+                     chunks=chunking[0], block_tokens=chunking[1], weight_layout=weight_layout)
     return y.user, saved
 
 
@@ -368,8 +396,10 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
     from .reference import moe as ref
 
     outs = _grad_outs(saved, False, out_dx, out_dw13, out_dw2, out_dgates)
-    g = ref.moe_backward_ref(dy, saved.x, saved.w13, saved.w2, saved.gates, saved.expert_ids, saved.activation,
+    w13, w2 = _out_in(saved.w13, saved.w2, saved.weight_layout)
+    g = ref.moe_backward_ref(dy, saved.x, w13, w2, saved.gates, saved.expert_ids, saved.activation,
                              saved.b13, saved.b2)
+    g["dw13"], g["dw2"] = _out_in(g["dw13"], g["dw2"], saved.weight_layout)  # back to the stored layout
     for o, key in zip(outs, ("dx", "dw13", "dw2", "dgates", "db13", "db2"), strict=True):
         if o is not None:
             o.view[...] = g[key].astype(o.view.dtype)
@@ -382,10 +412,10 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
 
 
 def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream,
-                 chunking):
+                 chunking, weight_layout):
     with _array.device_scope(x.device.id):
         return _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out,
-                                      stream, chunking)
+                                      stream, chunking, weight_layout=weight_layout)
 
 
 def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
@@ -399,6 +429,7 @@ __all__ = [
     "CHECKPOINTS",
     "MoEGrads",
     "MoESaved",
+    "WEIGHT_LAYOUTS",
     "activation_info",
     "chunk_bounds",
     "moe_backward",

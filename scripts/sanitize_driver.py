@@ -12,6 +12,7 @@ Cases (``--case NAME``, repeatable; default all; ``--list`` names them):
   moe_sm90  the expert FFN forward + backward with the sm_90a wgmma kernels (bf16, fp16 on Hopper)
   moe_mma   the same with BLAZECORE_SM90=0 (the mma.sync kernels; fp32 always takes them)
   moe_chunk the layer in 3 token chunks (small block_tokens), both paths
+  moe_layouts the layer on "in_out" weights and interleaved gate/up rows (mma.sync kernels)
   finite    the check_finite reductions (fp32 and the bf16 bit-pattern kernel)
 
 Every case compares its results with the NumPy reference (loosely: the point is the sanitizer's report, but a
@@ -147,7 +148,20 @@ SHAPES = [(77, 64, 48, 5, 2, 1, 1.0), (130, 200, 136, 9, 3, 2, 0.5), (1, 16, 8, 
           (45, 536, 24, 4, 2, 0, 0.3), (40, 24, 304, 3, 2, 0, 0.3)]
 
 
-def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swiglu", "gelu")):
+def _stored(w13, w2, b13, interleaved: bool, layout: str):
+    """The weights as another layout stores them: interleaved gate/up rows, (E, in, out)."""
+    if interleaved:
+        h = w13.shape[1] // 2
+        p = np.empty(2 * h, np.int64)
+        p[0::2], p[1::2] = np.arange(h), np.arange(h, 2 * h)
+        w13, b13 = w13[:, p], b13[:, p]
+    if layout == "in_out":
+        w13, w2 = w13.transpose(0, 2, 1), w2.transpose(0, 2, 1)
+    return (np.ascontiguousarray(a) for a in (w13, w2, b13))
+
+
+def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swiglu", "gelu"), layout="out_in",
+           interleaved=False):
     os.environ["BLAZECORE_SM90"] = "1" if sm90 else "0"
     rng = np.random.default_rng(2)
     kw = {"chunks": chunks, "block_tokens": 32} if chunks > 1 else {}
@@ -165,13 +179,21 @@ def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swi
                     g = rng.random((L, K)) + 0.1
                     gates = (g / g.sum(axis=1, keepdims=True)).astype(np.float32)
                     dy = rng.standard_normal((L, d)).astype(dt)
-                    y, saved = moe.moe_forward(dev(x), dev(w13), dev(w2), dev(gates), dev(ids), activation=activation,
-                                               checkpoint=checkpoint, b13=dev(b13), b2=dev(b2), **kw)
+                    il = interleaved and moe.activation_info(activation)
+                    sw13, sw2, sb13 = _stored(w13, w2, b13, il, layout)
+                    y, saved = moe.moe_forward(dev(x), dev(sw13), dev(sw2), dev(gates), dev(ids),
+                                               activation=activation + ("_interleaved" if il else ""),
+                                               checkpoint=checkpoint, b13=dev(sb13), b2=dev(b2),
+                                               weight_layout=layout, **kw)
                     grads = moe.moe_backward(dev(dy), saved, retain=True)
                     moe.moe_backward(dev(dy), saved)  # the default backward (may reuse the saved buffer)
                     tol = 1e-2 if dt != np.float32 else 1e-4
                     expect(host(y, dt), ref_moe.moe_forward_ref(x, w13, w2, gates, ids, activation, b13, b2), tol, "y")
-                    want = ref_moe.moe_backward_ref(dy, x, w13, w2, gates, ids, activation, b13, b2)
+                    # z rounded to x's dtype as the kernels store it (it decides swiglu_oai's clamps)
+                    want = ref_moe.moe_backward_ref(dy, x, w13, w2, gates, ids, activation, b13, b2,
+                                                    preact_dtype=None if dt == np.float32 else np.dtype(dt))
+                    want["dw13"], want["dw2"], want["db13"] = _stored(want["dw13"], want["dw2"], want["db13"], il,
+                                                                      layout)
                     for key in ("dx", "dw13", "dw2", "db13", "db2"):
                         expect(host(getattr(grads, key), dt), want[key], tol, key)
                     expect(grads.dgates.get(), want["dgates"], tol, "dgates")
@@ -199,6 +221,14 @@ def moe_chunk():
     # the chunk loop only (the kernels are moe_sm90's and moe_mma's): L = 77 and 130 in 3 chunks of 32 tokens
     _layer(True, (BF16,), chunks=3, shapes=SHAPES[:2], activations=("swiglu",))
     _layer(False, (np.float32,), chunks=3, shapes=SHAPES[:2], activations=("swiglu",))
+
+
+@case
+def moe_layouts():
+    # "in_out" weights and interleaved gate/up rows (gpt-oss): the mma.sync kernels' other B loads and epilogues
+    for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):
+        _layer(False, (BF16, np.float32), shapes=[SHAPES[0], SHAPES[1], SHAPES[4]],
+               activations=("swiglu_oai", "gelu"), layout=layout, interleaved=interleaved)
 
 
 @case

@@ -6,7 +6,7 @@ backend lacks (scripts/hf_families.py); the README's families table must be the 
 Whole models: gpt-oss (transposed, interleaved, biased experts with the clamped SwiGLU) matches "eager" in its
 logits and every parameter gradient; a checkpoint saved from a tiny model loads with
 ``from_pretrained(..., experts_implementation="blazecore")``; ``torch.compile`` of the HF model matches eager.
-A GPU-marked test runs gpt-oss's activation through the whole model in bfloat16 and float32.
+GPU-marked tests run gpt-oss and Mixtral whole models in bfloat16 and float32 against eager.
 """
 
 from __future__ import annotations
@@ -186,18 +186,20 @@ def test_gpu_family_matches_eager_or_names_what_is_missing(family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_hf_families_report_what_is_missing(dtype):
-    """On CUDA the gpt-oss layout (transposed, interleaved) raises NotImplementedError naming it (no per-step
-    copy of the weights); Mixtral runs and matches eager."""
+@pytest.mark.parametrize("make", [pytest.param(_gpt_oss_config, id="gpt_oss"), pytest.param(_mixtral_config,
+                                                                                               id="mixtral")])
+def test_gpu_whole_model_matches_eager(make, dtype):
+    """On CUDA, gpt-oss (transposed, interleaved, biased experts, clamps reached) and Mixtral match eager in logits
+    and every parameter gradient, the weights read as stored."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    model = _model(_gpt_oss_config(1), dtype=dtype, impl=hf.BACKEND_NAME).cuda()
-    with pytest.raises(NotImplementedError, match="transposed expert weights on the GPU"):
-        model(torch.randint(3, 64, (1, 5), device="cuda"))
-    eager = _model(_mixtral_config(), dtype=dtype).cuda()
+    eager = _model(make(), dtype=dtype, expert_std=1.0 if make is _gpt_oss_config else None).cuda()
     ours = copy.deepcopy(eager)
     ours.set_experts_implementation(hf.BACKEND_NAME)
     tokens = torch.randint(3, 64, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    if make is _gpt_oss_config:
+        z = _gpt_oss_z(eager, tokens).float()
+        assert (z[:, 0::2] > 7).any() and (z[:, 1::2].abs() > 7).any()  # both clamps active somewhere
     _compare(eager, ours, tokens, 1e-5 if dtype == torch.float32 else 3e-2)
 
 

@@ -15,13 +15,12 @@ layer's activation is read from ``config.hidden_act``.
 
 Supported experts: the default gate (act(gate) * up) with a ``hidden_act`` blazecore has, or a gate function
 the backend knows (:data:`KNOWN_GATES`: gpt-oss's clamped SwiGLU "swiglu_oai"); optional biases; no
-post-expert norm, no expert parallelism. Weight layouts: (E, out, in) with [gate; up] rows everywhere;
-transposed (E, in, out) weights (``is_transposed``) and interleaved gate/up columns (``is_concatenated=False``,
-gpt-oss) on the CPU, where they are handed to blazecore's float64 reference as reordered views of the
-parameters (that path computes in float64 copies anyway). The GPU kernels read only the (E, out, in)
-[gate; up] layout, so on CUDA those layouts raise NotImplementedError instead of copying the weights every
-step. Anything else raises NotImplementedError naming the feature rather than computing something
-different. The checkpoint policy is ``config.blazecore_checkpoint`` when set ("ab" by default).
+post-expert norm, no expert parallelism. Weight layouts: (E, out, in) with [gate; up] rows, transposed
+(E, in, out) weights (``is_transposed``: blazecore's ``weight_layout="in_out"``) and interleaved gate/up
+columns (``is_concatenated=False``, gpt-oss: the activation's "_interleaved" form), all read as the parameters
+are stored, with no copy per step (on the GPU the latter two run on the mma.sync kernels). Anything else raises
+NotImplementedError naming the feature rather than computing something different. The checkpoint policy is
+``config.blazecore_checkpoint`` when set ("ab" by default).
 """
 
 from __future__ import annotations
@@ -119,11 +118,6 @@ def unsupported(experts: torch.nn.Module, device: torch.device | None = None) ->
         found.append("a post-expert norm")
     if _flag(experts, "_is_expert_parallel"):
         found.append("expert parallelism")
-    if device.type != "cpu":
-        if _flag(experts, "is_transposed"):
-            found.append("transposed expert weights on the GPU (the kernels read (E, out, in) weights)")
-        if experts.has_gate and not _flag(experts, "is_concatenated", True):
-            found.append("interleaved gate/up rows on the GPU (the kernels read [gate; up] rows)")
     try:
         experts_activation(experts)
     except NotImplementedError as e:
@@ -139,22 +133,15 @@ def _check_supported(experts: torch.nn.Module, device: torch.device) -> None:
 
 
 def _weights(experts: torch.nn.Module):
-    """(w13 (E, R, d), w2 (E, d, h), b13 (E, R) or None, b2 (E, d) or None) in blazecore's layout: the parameters
-    themselves, or (transposed / interleaved, CPU only) views and reorderings of them that autograd maps back."""
+    """(w13, w2, b13 or None, b2 or None, weight_layout): the parameters as stored, and blazecore's name for
+    their layout ("in_out" for transposed (E, in, out) weights, else "out_in")."""
     w13 = experts.gate_up_proj if experts.has_gate else experts.up_proj
     w2 = experts.down_proj
     b13 = b2 = None
     if experts.has_bias:
         b13 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
         b2 = experts.down_proj_bias
-    if _flag(experts, "is_transposed"):
-        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    if experts.has_gate and not _flag(experts, "is_concatenated", True):
-        # [g0, u0, g1, u1, ...] rows -> [g0, g1, ...; u0, u1, ...]
-        w13 = torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
-        if b13 is not None:
-            b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
-    return w13, w2, b13, b2
+    return w13, w2, b13, b2, "in_out" if _flag(experts, "is_transposed") else "out_in"
 
 
 def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -173,13 +160,16 @@ def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     """
     _check_supported(self, hidden_states.device)
     activation = experts_activation(self)
-    w13, w2, b13, b2 = _weights(self)
+    if self.has_gate and not _flag(self, "is_concatenated", True):
+        activation += "_interleaved"  # rows [g0, u0, g1, u1, ...] (gpt-oss)
+    w13, w2, b13, b2, layout = _weights(self)
     gate_dtype = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
     checkpoint = getattr(self.config, "blazecore_checkpoint", "ab")
     # the HF router's top-k ids are in range and distinct: no validation read (it would sync a CUDA stream)
     dispatch = ops.build_dispatch(top_k_index, w13.shape[0], validate=False)
     return ops.moe_ffn(hidden_states, w13, w2, top_k_weights.to(gate_dtype), top_k_index,
-                       activation=activation, checkpoint=checkpoint, b13=b13, b2=b2, dispatch=dispatch)
+                       activation=activation, checkpoint=checkpoint, b13=b13, b2=b2, dispatch=dispatch,
+                       weight_layout=layout)
 
 
 def register() -> None:

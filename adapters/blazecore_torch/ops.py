@@ -399,23 +399,25 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
                     expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                     slot_k: torch.Tensor, pair_slot: torch.Tensor, b13: torch.Tensor | None,
                     b2: torch.Tensor | None, activation: str, checkpoint: str,
-                    chunks: int = 1, retain_saved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunks: int = 1, retain_saved: bool = False,
+                    weight_layout: str = "out_in") -> tuple[torch.Tensor, torch.Tensor]:
     x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     L, K = expert_ids.shape
-    R = w13.shape[1]
+    R = w13.shape[2 if weight_layout == "in_out" else 1]
     with _core_call(x.device) as stream:
         disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
         y, saved = blazecore.moe_forward(x, w13, w2, gates, expert_ids, activation=activation, checkpoint=checkpoint,
-                                         b13=b13, b2=b2, dispatch=disp, stream=stream, chunks=chunks)
+                                         b13=b13, b2=b2, dispatch=disp, stream=stream, chunks=chunks,
+                                         weight_layout=weight_layout)
         ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
         return _to_torch(y), ab
 
 
 @_moe_forward_op.register_fake
 def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, b13, b2, activation,
-      checkpoint, chunks=1, retain_saved=False):
+      checkpoint, chunks=1, retain_saved=False, weight_layout="out_in"):
     L, K = expert_ids.shape
-    R = w13.shape[1]
+    R = w13.shape[2 if weight_layout == "in_out" else 1]
     rows = L * K if checkpoint == "ab" else 0
     return torch.empty_like(x), x.new_empty((rows, R))
 
@@ -424,12 +426,14 @@ def _(x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_sl
 def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor,
                      expert_ids: torch.Tensor, expert_offsets: torch.Tensor, slot_token: torch.Tensor,
                      slot_k: torch.Tensor, pair_slot: torch.Tensor, ab: torch.Tensor, b13: torch.Tensor | None,
-                     b2: torch.Tensor | None, activation: str, checkpoint: str, chunks: int = 1
+                     b2: torch.Tensor | None, activation: str, checkpoint: str, chunks: int = 1,
+                     weight_layout: str = "out_in"
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dy, x, w13, w2, gates, ab, b13, b2 = _detach(dy, x, w13, w2, gates, ab, b13, b2)
     L, K = expert_ids.shape
-    if checkpoint == "ab" and (tuple(ab.shape) != (L * K, w13.shape[1]) or ab.dtype != x.dtype):
-        raise ValueError(f"ab: expected the forward's saved pre-activations, ({L * K}, {w13.shape[1]}) "
+    R = w13.shape[2 if weight_layout == "in_out" else 1]
+    if checkpoint == "ab" and (tuple(ab.shape) != (L * K, R) or ab.dtype != x.dtype):
+        raise ValueError(f"ab: expected the forward's saved pre-activations, ({L * K}, {R}) "
                          f"{x.dtype}; got {tuple(ab.shape)} {ab.dtype}")
     with _core_call(x.device) as stream:
         a = _array.asarray
@@ -437,7 +441,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
             a(x, "x"), a(w13, "w13"), a(w2, "w2"), a(gates, "gates"), a(expert_ids, "expert_ids"),
             _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), activation, checkpoint,
             None if b13 is None else a(b13, "b13"), None if b2 is None else a(b2, "b2"),
-            a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks)
+            a(ab, "ab") if checkpoint == "ab" else None, chunks=chunks, weight_layout=weight_layout)
         # dz is written over ab (declared mutated): the backward's peak holds no second (L*K, R) buffer
         g = blazecore.moe_backward(dy, saved, stream=stream, retain=False)
     grads = [_to_torch(t) for t in (g.dx, g.dw13, g.dw2, g.dgates)]
@@ -450,7 +454,7 @@ def _moe_backward_op(dy: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: t
 
 @_moe_backward_op.register_fake
 def _(dy, x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pair_slot, ab, b13, b2, activation,
-      checkpoint, chunks=1):
+      checkpoint, chunks=1, weight_layout="out_in"):
     db13 = torch.empty_like(b13) if b13 is not None else x.new_empty((0,))
     db2 = torch.empty_like(b2) if b2 is not None else x.new_empty((0,))
     return (torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(gates), db13, db2)
@@ -458,13 +462,14 @@ def _(dy, x, w13, w2, gates, expert_ids, expert_offsets, slot_token, slot_k, pai
 
 def _moe_setup(ctx, inputs, output):
     (x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, b13, b2, activation, checkpoint, chunks,
-     retain_saved) = inputs
+     retain_saved, weight_layout) = inputs
     _, ab = output
     ctx.mark_non_differentiable(ab)
     # no zero-filled (L*K, R) gradient for ab at the backward's peak (autograd materialises one by default)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2)
     ctx.activation, ctx.checkpoint, ctx.chunks, ctx.retain_saved = activation, checkpoint, chunks, retain_saved
+    ctx.weight_layout = weight_layout
 
 
 _SECOND_BACKWARD_HINT = (
@@ -492,9 +497,9 @@ def _moe_backward(ctx, dy, dab):
     dx, dw13, dw2, dgates, db13, db2 = _run(
         "moe_backward",
         dy.contiguous(), x, w13, w2, gates, ids, offsets, slot_token, slot_k, pair_slot, ab, b13, b2,
-        ctx.activation, ctx.checkpoint, ctx.chunks)
+        ctx.activation, ctx.checkpoint, ctx.chunks, ctx.weight_layout)
     return (dx, dw13, dw2, dgates, None, None, None, None, None, db13 if b13 is not None else None,
-            db2 if b2 is not None else None, None, None, None, None)
+            db2 if b2 is not None else None, None, None, None, None, None)
 
 
 _autograd(_moe_forward_op, "moe_forward", _moe_backward, _moe_setup)
@@ -556,13 +561,15 @@ def build_dispatch(expert_ids: torch.Tensor, num_experts: int, *, validate: bool
 def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor,
             *, activation: str = "swiglu", checkpoint: str = "ab", b13: torch.Tensor | None = None,
             b2: torch.Tensor | None = None, dispatch: TorchDispatch | None = None, chunks: int = 1,
-            retain_saved: bool = False) -> torch.Tensor:
+            retain_saved: bool = False, weight_layout: str = "out_in") -> torch.Tensor:
     """The expert FFNs and gate-weighted combine (``blazecore.moe_forward`` / ``moe_backward``).
 
     Args:
         x: (L, d) float32 / float16 / bfloat16 (float64 on the CPU).
         w13: (E, 2h, d) for gated activations ([gate rows; up rows]), (E, h, d) otherwise; x's dtype.
-        w2: (E, d, h), x's dtype.
+            (E, d, 2h or h) with ``weight_layout="in_out"``; interleaved gate/up rows with an activation named
+            "<gated>_interleaved".
+        w2: (E, d, h), x's dtype; (E, h, d) with ``weight_layout="in_out"``.
         gates: (L, K) float32 (float64 with float64 x).
         expert_ids: (L, K) int32 / int64, distinct per row, in [0, E).
         activation: one of ``blazecore.ACTIVATIONS``.
@@ -577,6 +584,8 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
             through the same graph (``retain_graph=True``) works; off by default, when the backward writes the
             activation gradient over them (no (L*K, R) buffer beside them) and a second backward raises
             PyTorch's error for a saved tensor modified in place.
+        weight_layout: "out_in" (default, nn.Linear's (out, in) per expert) or "in_out" (the transposes, as
+            gpt-oss and Llama 4 store them): read as stored, their gradients in the same layout.
 
     Returns:
         y (L, d) in x's dtype, differentiable w.r.t. x, w13, w2, gates, b13, b2.
@@ -587,7 +596,7 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
         dispatch = build_dispatch(expert_ids, w13.shape[0])
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     y, _ = _run("moe_forward", c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
-                                           activation, checkpoint, int(chunks), bool(retain_saved))
+                                           activation, checkpoint, int(chunks), bool(retain_saved), weight_layout)
     return y
 
 

@@ -52,7 +52,13 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
   using TL = Tile<T>;
   constexpr int BK = TL::BK, EPC = TL::EPC, PAD = TL::PAD;
-  constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  constexpr int AB = act_base(ACT);             // the activation; ACT may carry ACT_INTERLEAVED
+  constexpr bool IL = act_interleaved(ACT);
+  static_assert(!IL || (act_gated(AB) && (EPI == EPI_ACT || EPI == EPI_DHCUR)), "interleaving is for gated z");
+  // GATED: a tile takes BN/2 gate rows and the BN/2 matching up rows of B; interleaved gemm1 tiles take BN
+  // consecutive rows instead (BN/2 (gate, up) pairs). Both yield BN/2 output columns per tile.
+  constexpr bool GATED = (EPI == EPI_ACT) && act_gated(AB) && !IL;
+  constexpr bool HALF_N = (EPI == EPI_ACT) && act_gated(AB);
   constexpr int A_ELEMS = tile_elems<T, A_KMAJOR, BM>();
   constexpr int B_ELEMS = tile_elems<T, B_KMAJOR, BN>();
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -66,7 +72,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 
   // ---- which tile ---------------------------------------------------------------------------------
   int e, m0, m_end, tn, slot_lo = 0, slot_hi = 0, tm = 0;
-  const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
+  const int tiles_n = HALF_N ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
+  const int NB = (HALF_N && IL) ? 2 * N : N;  // bound of B's output-column index n of a plain tile
   if constexpr (MODE == MODE_M) {
     const long long bid = blockIdx.x;
     const int tmg = static_cast<int>(bid / tiles_n);
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
             row = n;
           }
           const int k = k0 + cc * EPC;
-          const bool ok = (n < N) && (k < Kd);
+          const bool ok = (n < NB) && (k < Kd);
           cp_async16(bs + r * (BK + PAD) + cc * EPC, Be + (ok ? (long long)row * ldb + k : 0), ok ? 16 : 0);
         }
       } else {
@@ -133,9 +140,18 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 #pragma unroll
         for (int c = tid; c < BK * CPRB; c += NTHREADS) {
           const int r = c / CPRB, cc = c % CPRB;
-          const int k = k0 + r, n = tn * BN + cc * EPC;
-          const bool ok = (k < Kd) && (n < N);
-          cp_async16(bs + r * (BN + PAD) + cc * EPC, Be + (ok ? (long long)k * ldb + n : 0), ok ? 16 : 0);
+          const int k = k0 + r;
+          int n, col;
+          if constexpr (GATED) {  // columns [0, BN/2) of the tile from the gate half, the rest from the up half
+            const int cw = cc * EPC;
+            n = tn * (BN / 2) + cw % (BN / 2);
+            col = (cw < BN / 2) ? n : N + n;
+          } else {
+            n = tn * BN + cc * EPC;
+            col = n;
+          }
+          const bool ok = (k < Kd) && (n < NB);
+          cp_async16(bs + r * (BN + PAD) + cc * EPC, Be + (ok ? (long long)k * ldb + col : 0), ok ? 16 : 0);
         }
       }
     } else {
@@ -308,14 +324,21 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           for (int f = 0; f < NF / 2; ++f) {
             const int n = tn * (BN / 2) + wn * (WN / 2) + f * 8 + 2 * q;
             if (n < N)
-              epi_act_gated<T, ACT>(be, N, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1],
-                                    acc[i][f + NF / 2][2 * h], acc[i][f + NF / 2][2 * h + 1]);
+              epi_act_gated<T, AB>(be, N, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1],
+                                   acc[i][f + NF / 2][2 * h], acc[i][f + NF / 2][2 * h + 1]);
+          }
+        } else if constexpr (IL) {
+#pragma unroll
+          for (int f = 0; f < NF; ++f) {
+            const int c = tn * BN + wn * WN + f * 8 + 2 * q;  // z column of the (gate, up) pair
+            if (c < NB) epi_act_interleaved<T, AB>(be, hout, ldo, zout, ldo2, s, c, acc[i][f][2 * h],
+                                                   acc[i][f][2 * h + 1]);
           }
         } else {
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             const int n = tn * BN + wn * WN + f * 8 + 2 * q;
-            if (n < N) epi_act_plain<T, ACT>(be, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1]);
+            if (n < N) epi_act_plain<T, AB>(be, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1]);
           }
         }
       }
@@ -349,9 +372,14 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 #pragma unroll
           for (int f = 0; f < NF; ++f) {
             const int n = tn * BN + wn * WN + f * 8 + 2 * q;
-            if (n < N)
-              psum += epi_dhcur<T, ACT>(aux, ldaux, zup, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
-                                        acc[i][f][2 * h + 1], gs);
+            if (n >= N) continue;
+            if constexpr (IL) {
+              psum += epi_dhcur_interleaved<T, AB>(aux, ldaux, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
+                                                   acc[i][f][2 * h + 1], gs);
+            } else {
+              psum += epi_dhcur<T, AB>(aux, ldaux, zup, out, ldo, out2, ldo2, s, n, acc[i][f][2 * h],
+                                       acc[i][f][2 * h + 1], gs);
+            }
           }
         }
         // the 4 lanes of a quad share a row: fixed-order butterfly, then a fixed-order sum over warps_n

@@ -43,6 +43,11 @@ template <typename T> __device__ __forceinline__ void load2(const T* p, float& a
 // pre-activation. SWIGLU_OAI is gpt-oss's clamped SwiGLU: a' = min(a, 7), act = a' sigmoid(1.702 a'),
 // up_f = clamp(b, -7, 7) + 1; a clamp passes the gradient where the value lies inside it, bounds included.
 enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4, SWIGLU_OAI = 5 };
+// ACT_INTERLEAVED | a gated Act (mma.sync kernels only): w13's 2h rows, z's and dz's columns and b13 alternate
+// gate and up ([g0, u0, g1, u1, ...], gpt-oss's layout) instead of [gate half | up half].
+constexpr int ACT_INTERLEAVED = 8;
+__host__ __device__ constexpr int act_base(int act) { return act & (ACT_INTERLEAVED - 1); }
+__host__ __device__ constexpr bool act_interleaved(int act) { return (act & ACT_INTERLEAVED) != 0; }
 constexpr float OAI_ALPHA = 1.702f, OAI_LIMIT = 7.f;
 
 __host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU || act == SWIGLU_OAI; }
@@ -244,6 +249,19 @@ __device__ __forceinline__ void epi_act_plain(const T* bias_e, T* hout, long lon
   if (hout) store2<T>(hout + (long long)s * ldh + n, act_f<ACT>(z0), act_f<ACT>(z1));
 }
 
+// Interleaved gated z (ACT_INTERLEAVED): the pair at z columns c, c+1 (c even) is (gate, up) of h column c / 2.
+// z = acc + b13 (b13 interleaved alike); stores the pair to zout and hcur's one element to hout.
+template <typename T, int ACT>
+__device__ __forceinline__ void epi_act_interleaved(const T* bias_e, T* hout, long long ldh, T* zout, long long ldz,
+                                                    int s, int c, float a, float b) {
+  if (bias_e) {
+    float x0, x1;
+    load2<T>(bias_e + c, x0, x1);
+    a += x0; b += x1;
+  }
+  if (zout) store2<T>(zout + (long long)s * ldz + c, a, b);
+  if (hout) hout[(long long)s * ldh + c / 2] = from_f<T>(gated_f<ACT>(a, b));
+}
 // out = (acc + bias) * gs
 template <typename T>
 __device__ __forceinline__ void epi_rowscale(const T* bias_e, T* out, long long ldo, int s, int n, float o0, float o1,
@@ -308,6 +326,23 @@ __device__ __forceinline__ float epi_dhcur(const T* z, long long ldz, int N, T* 
   const DhcurPair r = dhcur_math<ACT>(a0, a1, b0, b1, d0, d1, gs);
   store2<T>(dzr + n, r.da0, r.da1);
   if constexpr (act_gated(ACT)) store2<T>(dzr + N + n, r.db0, r.db1);
+  store2<T>(hg + (long long)s * ldhg + n, r.hg0, r.hg1);
+  return r.p;
+}
+// epi_dhcur for interleaved z / dz (gated): the gate and up values of h columns n, n+1 are z's columns 2n .. 2n+3
+// ([a0, b0, a1, b1]), read and written as two pairs.
+template <typename T, int ACT>
+__device__ __forceinline__ float epi_dhcur_interleaved(const T* z, long long ldz, T* dz, long long lddz, T* hg,
+                                                       long long ldhg, int s, int n, float d0, float d1, float gs) {
+  static_assert(act_gated(ACT), "interleaved z needs a gated activation");
+  const T* zr = z + (long long)s * ldz + 2 * n;
+  T* dzr = dz + (long long)s * lddz + 2 * n;
+  float a0, a1, b0, b1;
+  load2<T>(zr, a0, b0);
+  load2<T>(zr + 2, a1, b1);
+  const DhcurPair r = dhcur_math<ACT>(a0, a1, b0, b1, d0, d1, gs);
+  store2<T>(dzr, r.da0, r.db0);
+  store2<T>(dzr + 2, r.da1, r.db1);
   store2<T>(hg + (long long)s * ldhg + n, r.hg0, r.hg1);
   return r.p;
 }
