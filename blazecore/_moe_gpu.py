@@ -420,7 +420,8 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     in_place = reuse_saved
-    if z is None:  # checkpoint "none": recompute the first GEMM's pre-activations into a transient
+    recomputed = z is None  # checkpoint "none": its transients are sliced narrower (h_slices, dx_slices: lean)
+    if recomputed:  # recompute the first GEMM's pre-activations into a transient
         z = _array.empty_gpu((LK, H2), dt).view
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, None, z, stream)
         in_place = True
@@ -436,7 +437,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
     blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
     gated = H2 != h
-    slices = h_slices(h, d) if carry is None else [(0, h)]
+    slices = h_slices(h, d, lean=recomputed) if carry is None else [(0, h)]
     hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
     for c0, c1 in slices:
         w = c1 - c0
@@ -496,7 +497,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine, in column slices of dx when d is
     # much wider than dz (dx_slices): each element's sum is the same, and the per-slot rows take (L*K, width)
     dxs = None
-    for c0, c1 in dx_slices(d, H2):
+    for c0, c1 in dx_slices(d, H2, lean=recomputed):
         w = c1 - c0
         if dxs is None:
             dxs = _array.empty_gpu((LK * w,), dt).view
@@ -531,17 +532,19 @@ def o_slices(d: int) -> list[tuple[int, int]]:
     return _col_slices(d, O_SLICE_COLS)
 
 
-def dx_slices(d: int, kd: int) -> list[tuple[int, int]]:
+def dx_slices(d: int, kd: int, lean: bool = False) -> list[tuple[int, int]]:
     """Column slices of dx for the per-slot dx rows (L*K, width) of the backward: one slice unless d is more than
     twice the reduction width kd (= dz's row, 2h gated); then slices at most 2 kd wide. The extra cost is one more
-    pass over dz per slice, small exactly when dz is narrow."""
-    return _col_slices(d, 2 * kd)
+    pass over dz per slice, small exactly when dz is narrow. ``lean`` (checkpoint "none", whose point is the
+    smallest peak): slices of about a quarter of d as well (rounded up to whole 256-column tiles)."""
+    return _col_slices(d, min(2 * kd, -(-d // 4)) if lean else 2 * kd)
 
 
-def h_slices(h: int, d: int) -> list[tuple[int, int]]:
+def h_slices(h: int, d: int, lean: bool = False) -> list[tuple[int, int]]:
     """Column slices of h for the backward's dh' GEMM and dw2 (the g * hcur rows (L*K, width)): one slice unless h
-    is wider than d; then slices at most d wide. Each extra slice gathers the dy rows (width d) once more."""
-    return _col_slices(h, d)
+    is wider than d; then slices at most d wide. Each extra slice gathers the dy rows (width d) once more.
+    ``lean`` (checkpoint "none"): about half of h as well (rounded up to whole 256-column tiles)."""
+    return _col_slices(h, min(d, -(-h // 2)) if lean else d)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -380,6 +380,13 @@ def test_dx_slices():
         assert sl[0][0] == 0 and sl[-1][1] == d and all(a[1] == b[0] for a, b in zip(sl[:-1], sl[1:], strict=True))
         assert all((c1 - c0) % 256 == 0 for c0, c1 in sl[:-1]) and all(c1 > c0 for c0, c1 in sl)
         assert len(sl) == 1 or max(c1 - c0 for c0, c1 in sl) <= max(2 * kd, 256)
+        lean = dx_slices(d, kd, lean=True)  # checkpoint "none": about a quarter of d (whole 256-column tiles)
+        assert lean[0][0] == 0 and lean[-1][1] == d and all(a[1] == b[0] for a, b in zip(lean[:-1], lean[1:],
+                                                                                         strict=True))
+        quarter = -(-d // 4)
+        assert max(c1 - c0 for c0, c1 in lean) <= 256 * -(-quarter // 256) and len(lean) >= len(sl)
+    assert dx_slices(2048, 2048, lean=True) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert dx_slices(1536, 512, lean=True) == [(0, 512), (512, 1024), (1024, 1536)]
 
 
 def test_o_slices():
@@ -400,6 +407,11 @@ def test_h_slices():
     assert h_slices(1024, 2048) == [(0, 1024)]
     assert h_slices(14336, 4096) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
     assert h_slices(600, 40) == [(0, 256), (256, 512), (512, 600)]
+    # checkpoint "none": at most half of h (whole 256-column tiles)
+    assert h_slices(1024, 2048, lean=True) == [(0, 512), (512, 1024)]
+    assert h_slices(768, 2048, lean=True) == [(0, 512), (512, 768)]
+    assert h_slices(256, 1536, lean=True) == [(0, 256)]
+    assert h_slices(14336, 4096, lean=True) == h_slices(14336, 4096)
 
 
 @pytest.mark.gpu
@@ -423,11 +435,35 @@ def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
     for checkpoint in ("ab", "none"):
         y_sliced, _, sliced = _run(dev, activation, checkpoint)
         with monkeypatch.context() as m:
-            m.setattr(_moe_gpu, f"{which}_slices", lambda n, *_k: [(0, n)])
+            m.setattr(_moe_gpu, f"{which}_slices", lambda n, *_a, **_k: [(0, n)])
             y_whole, _, whole = _run(dev, activation, checkpoint)
         assert _bytes(y_sliced) == _bytes(y_whole), f"{checkpoint} y"
         for key in GRAD_KEYS:
             assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), f"{checkpoint} {key}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("bf16", "f32")])
+@pytest.mark.parametrize("activation", [pytest.param(a, id=a) for a in ("swiglu", "gelu")])
+def test_lean_slices_bit_identical_gpu(activation, dname, monkeypatch):
+    """Checkpoint "none" runs dx and dh' / dw2 in narrower column slices (lean=True); the gradients have the bits
+    of the default slicing."""
+    from blazecore import _moe_gpu
+
+    case = Case("lean", 300, 528, 520, 4, 2, "skewed")
+    R = (2 if activation == "swiglu" else 1) * case.h
+    assert len(_moe_gpu.dx_slices(case.d, R, lean=True)) > len(_moe_gpu.dx_slices(case.d, R))
+    assert len(_moe_gpu.h_slices(case.h, case.d, lean=True)) > len(_moe_gpu.h_slices(case.h, case.d))
+    dev = _on(_inputs(case, dname, activation, True), "gpu")
+    y_lean, _, lean = _run(dev, activation, "none")
+    with monkeypatch.context() as m:
+        for which in ("dx", "h"):
+            f = getattr(_moe_gpu, f"{which}_slices")
+            m.setattr(_moe_gpu, f"{which}_slices", lambda *a, _f=f, **_k: _f(*a))
+        y, _, plain = _run(dev, activation, "none")
+    assert _bytes(y_lean) == _bytes(y)
+    for key in GRAD_KEYS:
+        assert _bytes(getattr(lean, key)) == _bytes(getattr(plain, key)), key
 
 
 @pytest.mark.gpu
