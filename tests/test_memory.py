@@ -127,7 +127,9 @@ def test_model_terms(checkpoint):
     fwd = L * d * b + disp + z + 512 + LK * h * b + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
     grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
     zc = LK * 2 * h * b if checkpoint == "none" else 0
-    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * h * b + 4 * LK * 4, LK * d * b)
+    # "none" runs dh' / dw2 in two column slices of h and dx in four of d (_moe_gpu.h_slices / dx_slices, lean)
+    hw, dw = (h // 2, d // 4) if checkpoint == "none" else (h, d)
+    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * hw * b + 4 * LK * 4, LK * dw * b)
     assert est.held_bytes == disp + z
     assert est.forward_peak_bytes >= fwd  # + the dispatch build's transient workspace
     assert est.forward_peak_bytes - fwd <= 4 * (64 * E + E) + 512
