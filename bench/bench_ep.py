@@ -145,7 +145,10 @@ def worker(args) -> int:
                 print(f"wrote {common.write_json(f'ep_w{world}', header, rows, results)}")
             _print(rows)
     finally:
-        dist.destroy_process_group()
+        try:  # every rank done with its collectives before the group goes (gloo aborts a rank torn down mid-flight)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
     return 0
 
 
