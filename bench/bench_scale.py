@@ -105,7 +105,10 @@ def layer_rows(args, shape_name):
     --layer-policies ("auto" lets the planner choose the checkpoint policy). The measured peak is beyond the
     parameters and x (dy, allocated before the call, counts: the prediction includes it); the predicted one is
     ``blazecore.layer.layer_memory`` for the chunks and policy the layer's planner picks (the same plan the
-    layer makes, from the same free memory)."""
+    layer makes, from the same free memory). The measured call is a training step's steady state: one untimed
+    forward + backward runs first (kernels compiled, allocator warm), its gradients set to None as an optimizer's
+    ``zero_grad()`` does. A process's very first call can peak lower than the model (seen on an H100 at 512k
+    tokens: by two (L, d) buffers); the steady state is what the planner must fit."""
     import torch
     from blazecore_torch import MoELayer
 
@@ -123,6 +126,11 @@ def layer_rows(args, shape_name):
             try:
                 layer = MoELayer(d, h, E, K, checkpoint=policy, chunks="auto", device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                y, _ = layer(x)  # the untimed step: compile, warm the allocator
+                y.backward(torch.randn_like(y))
+                y = None
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
                 bm._cleanup()
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()

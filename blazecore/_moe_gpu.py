@@ -13,7 +13,9 @@ Buffers of one forward (L*K = number of (token, expert) slots, H2 = 2h gated or 
   transient:              hcur (L*K, h), o = g * (hcur w2^T) (L*K, w), w the widest column slice of y (o_slices)
 and of one backward (all transient): z (policy "none"), dz (L*K, H2), g*hcur (L*K, h),
 dgates partials (L*K, ceil(h/BN)) fp32, per-slot dx rows (L*K, w), w the widest column slice of dx (the whole d
-unless d > 2 * dz's row width: see dx_slices).
+unless d > 2 * dz's row width: see dx_slices). Policy "none" with h > d never has z or dz whole: its backward
+runs per column slice of h (_backward_z_sliced), with the slice's z / dz (L*K, H2 * width / h), its g*hcur rows
+and an fp32 (L, d) sum of dx.
 """
 
 from __future__ import annotations
@@ -214,17 +216,18 @@ def _ptr(a):
     return _NULL if a is None else a
 
 
-def _b_map(kern, which, B, ldb, b_estride, E, N, Kd):
+def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
-    by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2); N-major (E, Kd, N): 3-D
-    (N, Kd, E), box (64, 64). Encoded on the host (no device work) and cached per pointer and shape."""
+    by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2), the halves ``up`` rows apart
+    (0: N; a gated launch over a column slice of h passes h); N-major (E, Kd, N): 3-D (N, Kd, E), box (64, 64).
+    Encoded on the host (no device work) and cached per pointer and shape."""
     if kern.b_load != "tma" or getattr(_array, "dry", lambda: None)() is not None:
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
     es = kern.itemsize
     if kern.variants[which][2]:  # K-major
         halves = 2 if which == "gemm1" and kern.gated else 1
-        return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, N * ldb * es, b_estride * es),
+        return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, (up or N) * ldb * es, b_estride * es),
                               (64, BN90 // 2, 1, 1))
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
@@ -238,7 +241,8 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
     extra = ()
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
-        extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd),)  # the kernel's tmap_b
+        up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)
+        extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd, up),)  # the kernel's tmap_b
     fn(
         (int(grid),), (threads,),
         (
@@ -270,17 +274,22 @@ def check_shapes(x, w2):
         raise ValueError(f"the GPU kernels need d and h to be multiples of 8 (16-byte rows); got d={d}, h={h}")
 
 
-def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream):
-    tiles_n = kern.tiles_n("gemm1", h, gated=kern.gated)
+def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream, c0=0, w=None):
+    """hcur (into hbuf, (L*K, h)) and / or z (into zbuf, (L*K, H2)); with ``w``, only the columns [c0, c0 + w) of h:
+    zbuf is then (L*K, w * (2 if gated else 1)) in z's column order (gate then up, or interleaved pairs)."""
+    w = h if w is None else w
     d = x.shape[1]
     H2 = w13.shape[2 if kern.t else 1]
+    r0 = 2 * c0 if kern.interleaved else c0  # the slice's first row of w13 (first column "in_out") and of b13
+    up = h if kern.gated and not kern.interleaved and w != h else 0  # its up half's rows: h after the gate rows
     flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
     # w13 (E, H2, d): K-major rows of d; "in_out" (E, d, H2): N-major, k-rows of H2
-    _launch_gemm(kern, "gemm1", _m_grid(LK, E, tiles_n), stream, A=x, lda=d, B=w13, ldb=H2 if kern.t else d,
-                 b_estride=H2 * d,
-                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=h, Kd=d,
-                 out=hbuf if hbuf is not None else zbuf, ldo=h, out2=zbuf, ldo2=H2,
-                 bias=b13, bias_estride=H2, flags=flags)
+    _launch_gemm(kern, "gemm1", _m_grid(LK, E, kern.tiles_n("gemm1", w, gated=kern.gated)), stream, A=x, lda=d,
+                 B=w13[:, :, r0:] if kern.t else w13[:, r0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
+                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
+                 out=hbuf if hbuf is not None else zbuf, ldo=h, o_estride=up, out2=zbuf,
+                 ldo2=H2 if zbuf is None else zbuf.shape[1], bias=None if b13 is None else b13[:, r0:],
+                 bias_estride=H2, flags=flags)
 
 
 def _dims(x, w13, w2, gates, t=False):
@@ -333,42 +342,63 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream):
             del hbuf
         kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
                                                 (rows, disp.pair_slot, np.int32(K), np.int32(w), y[:, c0:],
-                                                 np.int64(d)),
+                                                 np.int64(d), _NULL, np.int32(0)),
                                                 stream=stream)
 
 
 class _Carry:
     """fp32 partial sums of the weight and bias gradients between the chunks of one backward.
 
-    Each K-grouped CTA owns a private (128 x BN) slice of its gradient's carry; ``seen[e]`` records whether
-    expert e had a slot in an earlier chunk (so its carried sums hold a value; an expert's first slots
+    Each K-grouped CTA owns a private (128 x BN) slice of its gradient's carry (each launch of a gradient its own
+    run of slices: ``dw13_at(i)``, ``dw2_at(i)``, launch i of :func:`wgrad_grids`' order); ``seen[e]`` records
+    whether expert e had a slot in an earlier chunk (so its carried sums hold a value; an expert's first slots
     start a fresh sum, as in the unchunked run).
     """
 
-    def __init__(self, kern, E, d, h, H2, db13, db2):
-        # one slice per CTA of the weight-gradient launches (their grids: see _backward_chunk)
-        rows_cols13 = (d, H2) if kern.t else (H2, d)
-        rows_cols2 = (h, d) if kern.sm90 or kern.t else (d, h)
-        self.grid13 = E * -(-rows_cols13[0] // BM) * kern.tiles_n("dw13", rows_cols13[1])
-        self.grid2 = E * -(-rows_cols2[0] // BM) * kern.tiles_n("dw2", rows_cols2[1])
+    def __init__(self, kern, E, d, h, H2, db13, db2, slices=None):
         bn = kern.gemm("dw13")[3]
-        self.dw13 = _array.empty_gpu((self.grid13 * BM * bn,), np.float32).view
-        self.dw2 = _array.empty_gpu((self.grid2 * BM * bn,), np.float32).view
-        self.db13 = None if db13 is None else _array.empty_gpu(db13.shape, np.float32).view
+        g13, g2 = wgrad_grids(kern.sm90, kern.t, E, d, h, H2, slices, kern.interleaved)
+        self.off13 = [BM * bn * sum(g13[:i]) for i in range(len(g13))]
+        self.off2 = [BM * bn * sum(g2[:i]) for i in range(len(g2))]
+        self.dw13 = _array.empty_gpu((sum(g13) * BM * bn,), np.float32).view
+        self.dw2 = _array.empty_gpu((sum(g2) * BM * bn,), np.float32).view
+        # flat: launch i of a z-sliced backward keeps its (E, width) sums at element E * (its first row of db13)
+        self.db13 = None if db13 is None else _array.empty_gpu((int(np.prod(db13.shape)),), np.float32).view
         self.db2 = None if db2 is None else _array.empty_gpu(db2.shape, np.float32).view
         self.seen = _array.empty_gpu((E,), np.int32).view
         self.seen.fill(0)
 
+    def dw13_at(self, i):
+        return self.dw13[self.off13[i]:]
 
-def carry_arrays(sm90: bool, E: int, d: int, h: int, H2: int, bias13: bool, bias2: bool) -> list[int]:
-    """Bytes of each array of :class:`_Carry`, in allocation order (the memory model's term for a chunked
-    backward), without building kernels."""
+    def dw2_at(self, i):
+        return self.dw2[self.off2[i]:]
+
+
+def _z_parts(c0: int, w: int, h: int, gated: bool, interleaved: bool) -> list[tuple[int, int, int]]:
+    """The parts of z's column slice [c0, c0 + w) of h, as (first column in the slice's z rows, first row of w13 and
+    element of b13, width): gated, the gate and up halves (h rows apart in w13); interleaved or plain, one part."""
+    if not gated:
+        return [(0, c0, w)]
+    if interleaved:
+        return [(0, 2 * c0, 2 * w)]
+    return [(0, c0, w), (w, h + c0, w)]
+
+
+def wgrad_grids(sm90: bool, t: bool, E: int, d: int, h: int, H2: int, slices=None,
+                interleaved: bool = False) -> tuple[list[int], list[int]]:
+    """CTAs of each dw13 launch and of each dw2 launch of one backward chunk, in launch order: one launch each, or
+    with ``slices`` (the z-sliced backward's column slices of h) one per slice (dw13: per part, see _z_parts).
+    ``sm90``: the sm_90a kernels (256-column tiles, dw2 computed transposed); ``t``: weights stored "in_out"."""
     bn = BN90 if sm90 else BN
-    t = lambda n, w: -(-n // w)  # noqa: E731
-    g13 = E * t(H2, BM) * t(d, bn)
-    g2 = E * t(h, BM) * t(d, bn) if sm90 else E * t(d, BM) * t(h, bn)
-    bias = ([4 * E * H2] if bias13 else []) + ([4 * E * d] if bias2 else [])
-    return [4 * g13 * BM * bn, 4 * g2 * BM * bn] + bias + [4 * E]
+    cd = lambda n, m: -(-n // m)  # noqa: E731
+    g13 = lambda m: E * (cd(d, BM) * cd(m, bn) if t else cd(m, BM) * cd(d, bn))  # noqa: E731
+    g2 = lambda w: E * (cd(w, BM) * cd(d, bn) if sm90 or t else cd(d, BM) * cd(w, bn))  # noqa: E731
+    if slices is None:
+        return [g13(H2)], [g2(h)]
+    gated = H2 != h
+    return ([g13(pw) for c0, c1 in slices for _, _, pw in _z_parts(c0, c1 - c0, h, gated, interleaved)],
+            [g2(c1 - c0) for c0, c1 in slices])
 
 
 def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, stream, *, reuse_saved=False):
@@ -394,7 +424,8 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
-    carry = _Carry(kern, E, d, h, H2, db13, db2) if len(chunks) > 1 else None
+    zsl = h_slices(h, d, lean=True) if z is None and h > d else None  # the z-sliced backward's slices
+    carry = _Carry(kern, E, d, h, H2, db13, db2, zsl) if len(chunks) > 1 else None
     for i, (t0, t1, disp) in enumerate(chunks):
         zc = z[t0 * K:t1 * K] if z is not None else None
         flags = (1 if i > 0 else 0) | (2 if i + 1 < len(chunks) else 0)
@@ -420,7 +451,14 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     in_place = reuse_saved
-    recomputed = z is None  # checkpoint "none": its transients are sliced narrower (h_slices, dx_slices: lean)
+    recomputed = z is None  # checkpoint "none"
+    # the transients are sliced narrower (h_slices, dx_slices: lean) where the smallest peak is the point (policy
+    # "none") or where z is wide beside them (h > d); "none" on such a shape never has all of z at once
+    lean = recomputed or h > d
+    if recomputed and h > d:
+        _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_tokens, dx, dw13, dw2, dgates, db13,
+                           db2, carry, flags, stream)
+        return
     if recomputed:  # recompute the first GEMM's pre-activations into a transient
         z = _array.empty_gpu((LK, H2), dt).view
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, None, z, stream)
@@ -437,7 +475,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
     blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
     gated = H2 != h
-    slices = h_slices(h, d, lean=recomputed) if carry is None else [(0, h)]
+    slices = h_slices(h, d, lean=lean) if carry is None else [(0, h)]
     hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
     for c0, c1 in slices:
         w = c1 - c0
@@ -449,55 +487,19 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
                      tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d, out=dz[:, zc0:], ldo=H2,
                      o_estride=h if gated and not kern.interleaved else 0, out2=hg, ldo2=w, aux=z[:, zc0:],
                      ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
-        if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
-            _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
-                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, c0:], ldo=d,
-                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
-        elif kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
-            _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
-                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
-                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
-        else:
-            _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
-                         b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
-                         o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw2, **ck)
+        _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=carry and carry.dw2_at(0), **ck)
     del z, hg, hgbuf
-    warps = 8
-    b2 = saved.b2
-    kern.fn(f"blz::moe_dgates<{kern.ct}>")(
-        (-(-LK // warps),), (32 * warps,),
-        (part, np.int32(tiles_nh), disp.pair_slot, disp.expert_offsets, np.int32(E), np.int64(LK), dy, _ptr(b2),
-         np.int32(K), np.int32(d), dgates),
-        stream=stream,
-    )
+    _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
     del part
     # dw13_e = dz^T x_g; stored "in_out" (E, d, H2): dw13_e^T = x_g^T dz
-    if kern.t:
-        _launch_gemm(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", H2), stream, A=x, lda=d, B=dz, ldb=H2,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=H2, Kd=0, out=dw13, ldo=H2,
-                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
-    else:
-        _launch_gemm(kern, "dw13", E * -(-H2 // BM) * kern.tiles_n("dw13", d), stream, A=dz, lda=H2, B=x, ldb=d,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=H2, N=d, Kd=0, out=dw13, ldo=d,
-                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, carry=carry and carry.dw13, **ck)
-    cin, cout = np.int32(flags & 1), np.int32((flags >> 1) & 1)
-    if db13 is not None:
-        kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
-            (-(-H2 // 128), E), (128,),
-            (dz, np.int64(H2), np.int32(H2), disp.expert_offsets, disp.slot_token, disp.slot_k, _NULL,
-             np.int32(K), np.int32(0), db13, _ptr(carry and carry.db13), cin, cout), stream=stream)
+    _dw13_part(kern, dz, x, dw13, db13, disp, 0, 0, H2, E, d, K, blk, nb, stream, carry, 0, flags)
     if db2 is not None:
-        kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
-            (-(-d // 128), E), (128,),
-            (dy, np.int64(d), np.int32(d), disp.expert_offsets, disp.slot_token, disp.slot_k, gates,
-             np.int32(K), np.int32(1), db2, _ptr(carry and carry.db2), cin, cout), stream=stream)
-    if carry is not None and flags & 2:  # a later chunk continues the sums of this chunk's experts
-        kern.fn("blz::moe_mark_seen")((-(-E // 256),), (256,), (disp.expert_offsets, np.int32(E), carry.seen),
-                                      stream=stream)
+        _db2(kern, dy, db2, disp, gates, E, K, d, stream, carry, flags)
+    _mark_seen(kern, disp, E, carry, flags, stream)
     # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine, in column slices of dx when d is
     # much wider than dz (dx_slices): each element's sum is the same, and the per-slot rows take (L*K, width)
     dxs = None
-    for c0, c1 in dx_slices(d, H2, lean=recomputed):
+    for c0, c1 in dx_slices(d, H2, lean=lean):
         w = c1 - c0
         if dxs is None:
             dxs = _array.empty_gpu((LK * w,), dt).view
@@ -508,9 +510,153 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
                      disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=H2, out=rows, ldo=w)
         kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
                                                 (rows, disp.pair_slot, np.int32(K), np.int32(w), dx[:, c0:],
-                                                 np.int64(d)),
+                                                 np.int64(d), _NULL, np.int32(0)),
                                                 stream=stream)
     del dz, dxs
+
+
+def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None, **ck):
+    """dw2's columns [c0, c0 + w) of h (stored "in_out": rows) from the slice's g * hcur rows hg (L*K, w)."""
+    w = hg.shape[1]
+    if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
+        _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, c0:], ldo=d,
+                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+    elif kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
+        _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+    else:
+        _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
+                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+
+
+def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, i, flags):
+    """dw13's rows [row0, row0 + pw) (stored "in_out": columns) and db13's elements from dz's columns [zc, zc + pw):
+    dw13_e = dz^T x_g ("in_out": dw13_e^T = x_g^T dz). ``carry``: a chunked backward's sums (launch i of
+    wgrad_grids' order; db13's at elements E * row0.., each launch's (E, pw) apart)."""
+    H2 = dw13.shape[2 if kern.t else 1]
+    ldz = dz.shape[1]
+    dzp = dz[:, zc:]
+    ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw13_at(i)}
+    if kern.t:
+        _launch_gemm(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", pw), stream, A=x, lda=d, B=dzp, ldb=ldz,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=pw, Kd=0, out=dw13[:, :, row0:], ldo=H2,
+                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
+    else:
+        _launch_gemm(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=pw, N=d, Kd=0, out=dw13[:, row0:], ldo=d,
+                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
+    if db13 is not None:
+        cb = None if carry is None else carry.db13[E * row0:]
+        kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
+            (-(-pw // 128), E), (128,),
+            (dzp, np.int64(ldz), np.int32(pw), disp.expert_offsets, disp.slot_token, disp.slot_k, _NULL,
+             np.int32(K), np.int32(0), db13[:, row0:], np.int64(H2), _ptr(cb), *_carry_flags(carry, flags)),
+            stream=stream)
+
+
+def _carry_flags(carry, flags):
+    """moe_bias_grad's (carry_in, carry_out): continue an earlier chunk's sums / keep them for a later one."""
+    if carry is None:
+        return np.int32(0), np.int32(0)
+    return np.int32(flags & 1), np.int32((flags >> 1) & 1)
+
+
+def _db2(kern, dy, db2, disp, gates, E, K, d, stream, carry=None, flags=0):
+    """db2_e = sum over expert e's slots of g * dy_t (a chunk carry continues / keeps fp32 sums)."""
+    kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
+        (-(-d // 128), E), (128,),
+        (dy, np.int64(d), np.int32(d), disp.expert_offsets, disp.slot_token, disp.slot_k, gates,
+         np.int32(K), np.int32(1), db2, np.int64(d), _ptr(carry and carry.db2), *_carry_flags(carry, flags)),
+        stream=stream)
+
+
+def _mark_seen(kern, disp, E, carry, flags, stream):
+    """A later chunk continues the sums of this chunk's experts."""
+    if carry is not None and flags & 2:
+        kern.fn("blz::moe_mark_seen")((-(-E // 256),), (256,), (disp.expert_offsets, np.int32(E), carry.seen),
+                                      stream=stream)
+
+
+def _dgates(kern, part, tiles_nh, disp, E, LK, dy, b2, K, d, dgates, stream):
+    """dgates from the dh' epilogue's per-(slot, n-tile) partial sums (+ dy . b2 with a bias)."""
+    warps = 8
+    kern.fn(f"blz::moe_dgates<{kern.ct}>")(
+        (-(-LK // warps),), (32 * warps,),
+        (part, np.int32(tiles_nh), disp.pair_slot, disp.expert_offsets, np.int32(E), np.int64(LK), dy, _ptr(b2),
+         np.int32(K), np.int32(d), dgates),
+        stream=stream,
+    )
+
+
+def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_tokens, dx, dw13, dw2, dgates, db13,
+                       db2, carry, flags, stream):
+    """Checkpoint "none" where h > d (one chunk): the whole backward runs per column slice [c0, c1) of h
+    (h_slices, lean), so neither z nor dz (L*K, H2) exists, only the slice's (L*K, R*w) (R = 2 gated):
+
+      recompute z's slice (gemm1 on the slice's rows of w13) -> dh' and the activation backward (dz over it,
+      g * hcur, dgates partials) -> dw2's, dw13's and db13's columns of the slice -> the slice's share of dx.
+
+    dx_t = sum over slices of sum_k dz_s w13_e: the per-slot rows of each slice (and, gated, of its gate and up
+    halves, whose w13 rows are h apart) are combined into an fp32 (L, d) sum in a fixed order, rounded once at the
+    end. dw13, dw2, db13, db2 and dgates have the bits of the unsliced backward; dx is as accurate but may differ
+    from it in the last bit. Bit-identical run to run, and chunked (``carry``: each launch its own fp32 sums) as
+    unchunked."""
+    w13, w2 = saved.w13, saved.w2
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
+    gated = H2 != h
+    r = 2 if gated else 1
+    slices = h_slices(h, d, lean=True)
+    wmax = max(c1 - c0 for c0, c1 in slices)
+    tiles_nh = kern.tiles_n("dhcur", h)
+    bn_h = kern.gemm("dhcur")[3]
+    part = _array.empty_gpu((LK, tiles_nh), np.float32).view
+    blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
+    zbuf = _array.empty_gpu((LK * r * wmax,), dt).view
+    hgbuf = _array.empty_gpu((LK * wmax,), dt).view
+    acc = _array.empty_gpu((L, d), np.float32).view  # dx's fp32 sum over the slices
+    dxl = dx_slices(d, wmax, lean=True)
+    dxs = _array.empty_gpu((LK * max(e1 - e0 for e0, e1 in dxl),), dt).view
+    # each (slice, part) adds its per-slot rows to acc: mode 1 the first, 3 the last (rounded into dx), else 2
+    # (moe_combine's acc_mode; 0: a single one goes straight to dx)
+    steps = [(c0, c1, p) for c0, c1 in slices for p in range(len(_z_parts(c0, c1 - c0, h, gated, kern.interleaved)))]
+    for si, (c0, c1) in enumerate(slices):
+        w = c1 - c0
+        z = zbuf[:LK * r * w].reshape(LK, r * w)
+        _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, None, z, stream, c0=c0, w=w)
+        hg = hgbuf[:LK * w].reshape(LK, w)
+        # w2 (E, d, h): columns c0.. of h, N-major; "in_out" (E, h, d): rows c0.., K-major. dz over z.
+        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
+                     B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
+                     tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d, out=z, ldo=r * w, out2=hg, ldo2=w, aux=z,
+                     ldaux=r * w, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
+        ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw2_at(si)}
+        _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, **ck)
+        for p, (zc, row0, pw) in enumerate(_z_parts(c0, w, h, gated, kern.interleaved)):
+            step = steps.index((c0, c1, p))
+            _dw13_part(kern, z, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, step, flags)
+            dzp = z[:, zc:]
+            mode = 0 if len(steps) == 1 else 1 if step == 0 else 3 if step == len(steps) - 1 else 2
+            for e0, e1 in dxl:
+                we = e1 - e0
+                rows = dxs[:LK * we].reshape(LK, we)
+                # w13 (E, H2, d): rows row0.., columns e0.. of d, N-major; "in_out" (E, d, H2): K-major
+                _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", we)), stream, A=dzp, lda=r * w,
+                             B=w13[:, e0:, row0:] if kern.t else w13[:, row0:, e0:], ldb=H2 if kern.t else d,
+                             b_estride=H2 * d, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=pw,
+                             out=rows, ldo=we)
+                kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
+                                                        (rows, disp.pair_slot, np.int32(K), np.int32(we),
+                                                         dx[:, e0:], np.int64(d), acc[:, e0:], np.int32(mode)),
+                                                        stream=stream)
+    del zbuf, hgbuf, acc, dxs
+    _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
+    del part
+    if db2 is not None:
+        _db2(kern, dy, db2, disp, gates, E, K, d, stream, carry, flags)
+    _mark_seen(kern, disp, E, carry, flags, stream)
 
 
 def _col_slices(n: int, max_width: int, align: int = 256) -> list[tuple[int, int]]:
@@ -543,8 +689,9 @@ def dx_slices(d: int, kd: int, lean: bool = False) -> list[tuple[int, int]]:
 def h_slices(h: int, d: int, lean: bool = False) -> list[tuple[int, int]]:
     """Column slices of h for the backward's dh' GEMM and dw2 (the g * hcur rows (L*K, width)): one slice unless h
     is wider than d; then slices at most d wide. Each extra slice gathers the dy rows (width d) once more.
-    ``lean`` (checkpoint "none"): about half of h as well (rounded up to whole 256-column tiles)."""
-    return _col_slices(h, min(d, -(-h // 2)) if lean else d)
+    ``lean`` (checkpoint "none", or h > d): at most half of h and half of d (rounded up to whole 256-column
+    tiles); checkpoint "none" with h > d runs its whole backward in these slices (_backward_z_sliced)."""
+    return _col_slices(h, min(-(-d // 2), -(-h // 2)) if lean else d)
 
 
 # ---------------------------------------------------------------------------------------------

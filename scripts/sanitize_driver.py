@@ -13,6 +13,7 @@ Cases (``--case NAME``, repeatable; default all; ``--list`` names them):
   moe_mma   the same with BLAZECORE_SM90=0 (the mma.sync kernels; fp32 always takes them)
   moe_chunk the layer in 3 token chunks (small block_tokens), both paths
   moe_layouts the layer on "in_out" weights and interleaved gate/up rows (mma.sync kernels)
+  moe_zsliced checkpoint "none" with h > d (the backward per column slice of h), unchunked and in chunks
   finite    the check_finite reductions (fp32 and the bf16 bit-pattern kernel)
 
 Every case compares its results with the NumPy reference (loosely: the point is the sanitizer's report, but a
@@ -230,6 +231,17 @@ def moe_layouts():
     for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):
         _layer(False, (BF16, np.float32), shapes=[SHAPES[0], SHAPES[4]],
                activations=("swiglu_oai",) if interleaved else ("gelu",), layout=layout, interleaved=interleaved)
+
+
+@case
+def moe_zsliced():
+    # h = 304 > d = 24: "none" recomputes z and runs the backward per column slice of h (two slices), with the
+    # chunk carry of each slice's weight-gradient launches when chunked (L = 40: 2 chunks of 32 tokens)
+    for chunks in (1, 3):
+        _layer(True, (BF16,), chunks=chunks, shapes=[SHAPES[4]], activations=("swiglu",))
+        _layer(False, (np.float32,), chunks=chunks, shapes=[SHAPES[4]], activations=("swiglu", "gelu"))
+    _layer(False, (BF16,), chunks=3, shapes=[SHAPES[4]], activations=("swiglu_oai",), layout="in_out",
+           interleaved=True)
 
 
 @case

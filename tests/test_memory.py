@@ -136,6 +136,32 @@ def test_model_terms(checkpoint):
     assert est.peak_bytes == max(fwd, bwd) or abs(est.peak_bytes - max(fwd, bwd)) <= 4 * (64 * E + E) + 512
 
 
+MIXTRAL = dict(d=4096, h=14336, E=8, K=2)
+
+
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+def test_model_terms_wide_h(checkpoint):
+    """Closed form of the unchunked backward where h > d (mixtral's widths). "none" never holds z or dz whole: it
+    recomputes and consumes them per column slice of h (2048 wide: half of d), with dx summed over the slices in
+    an fp32 (L, d) buffer. "ab" keeps z and slices its transients as narrowly (dh' / dw2: 2048, dx: 1024)."""
+    L, (d, h, E, K) = 4096, MIXTRAL.values()
+    b, LK, w, wd, tiles_nh = 2, L * K, 2048, 1024, h // 256
+    trace = memory.moe_memory_trace(L, d, h, E, K, checkpoint=checkpoint)
+    est = trace.estimate
+    y, disp = L * d * b, 512 + 3 * 4 * LK
+    grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
+    z = LK * 2 * h * b if checkpoint == "ab" else 0
+    if checkpoint == "none":  # part, the slice's z and g * hcur rows, dx's fp32 sum, the per-slot dx rows
+        transient = 4 * LK * tiles_nh + LK * 2 * w * b + LK * w * b + 4 * L * d + LK * wd * b
+    else:
+        transient = max(LK * w * b + 4 * LK * tiles_nh, LK * wd * b)
+    assert est.held_bytes == disp + z
+    assert est.peak_bytes == y + disp + z + grads + 512 + transient
+    grad_shapes = {(L, d), (E, 2 * h, d), (E, d, h), (L, K)}
+    backward = [ev for ev in trace.events[trace.forward_events:] if ev[0] == "alloc" and ev[2] not in grad_shapes]
+    assert max(ev[1] for ev in backward) == (4 * L * d if checkpoint == "none" else LK * w * b)
+
+
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])
 def test_model_chunking_shrinks_transients(checkpoint):
     L = 1 << 20

@@ -439,6 +439,8 @@ def test_column_slices_bit_identical_gpu(which, activation, dname, monkeypatch):
             y_whole, _, whole = _run(dev, activation, checkpoint)
         assert _bytes(y_sliced) == _bytes(y_whole), f"{checkpoint} y"
         for key in GRAD_KEYS:
+            if key == "dx" and which == "h" and checkpoint == "none":
+                continue  # the z-sliced backward (h > d) sums dx over the slices: test_z_sliced_backward
             assert _bytes(getattr(sliced, key)) == _bytes(getattr(whole, key)), f"{checkpoint} {key}"
 
 

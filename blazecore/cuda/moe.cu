@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     const int* __restrict__ tile_offsets,             // (E+1) cumulative m-tiles per expert (MODE_M)
     int num_experts, int M, int N, int Kd,            // MODE_M: M = L*K, N = output cols, Kd = reduction
     T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z; its
-                                                      // o_estride: z / dz up-half offset, 0 = N)
+                                                      // o_estride: z / dz up-half offset, 0 = N; gated EPI_ACT's:
+                                                      // B's up-half row (N-major: column) and b13's offset, 0 = N)
     T* __restrict__ out2, long long ldo2,
     const T* aux, long long ldaux,                    // z (pre-activations) read by EPI_DHCUR
     const T* __restrict__ bias, long long bias_estride,
@@ -74,6 +75,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
   int e, m0, m_end, tn, slot_lo = 0, slot_hi = 0, tm = 0;
   const int tiles_n = HALF_N ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
   const int NB = (HALF_N && IL) ? 2 * N : N;  // bound of B's output-column index n of a plain tile
+  // gated EPI_ACT: where B's (and the bias') up half starts; a launch over a column slice of h passes h
+  const long long bup = (GATED && o_estride) ? o_estride : N;
   if constexpr (MODE == MODE_M) {
     const long long bid = blockIdx.x;
     const int tmg = static_cast<int>(bid / tiles_n);
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           if constexpr (GATED) {
             const int rr = r % (BN / 2);
             n = tn * (BN / 2) + rr;
-            row = (r < BN / 2) ? n : N + n;
+            row = (r < BN / 2) ? n : static_cast<int>(bup) + n;
           } else {
             n = tn * BN + r;
             row = n;
@@ -145,7 +148,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           if constexpr (GATED) {  // columns [0, BN/2) of the tile from the gate half, the rest from the up half
             const int cw = cc * EPC;
             n = tn * (BN / 2) + cw % (BN / 2);
-            col = (cw < BN / 2) ? n : N + n;
+            col = (cw < BN / 2) ? n : static_cast<int>(bup) + n;
           } else {
             n = tn * BN + cc * EPC;
             col = n;
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
           for (int f = 0; f < NF / 2; ++f) {
             const int n = tn * (BN / 2) + wn * (WN / 2) + f * 8 + 2 * q;
             if (n < N)
-              epi_act_gated<T, AB>(be, N, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1],
+              epi_act_gated<T, AB>(be, bup, N, hout, ldo, zout, ldo2, s, n, acc[i][f][2 * h], acc[i][f][2 * h + 1],
                                    acc[i][f + NF / 2][2 * h], acc[i][f + NF / 2][2 * h + 1]);
           }
         } else if constexpr (IL) {
@@ -442,9 +445,12 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
 
 // out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation): deterministic combine. src rows are
 // d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
+// acc_mode sums several launches' rows (the backward's slices of the reduction) in fp32 in acc, whose rows are
+// ldo apart as out's: 0 none (out = sum), 1 first (acc = sum), 2 next (acc += sum), 3 last (out = acc + sum).
 template <typename T>
 __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, const int* __restrict__ pair_slot,
-                                                    int topk, int d, T* __restrict__ out, long long ldo) {
+                                                    int topk, int d, T* __restrict__ out, long long ldo,
+                                                    float* __restrict__ acc, int acc_mode) {
   constexpr int EPC = 16 / sizeof(T);
   const long long t = blockIdx.x;
   for (int c = threadIdx.x; c * EPC < d; c += blockDim.x) {
@@ -457,6 +463,16 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int v = 0; v < EPC; ++v) accv[v] += to_f<T>(vals[v]);
+    }
+    float* ar = acc_mode ? acc + t * ldo + (long long)c * EPC : nullptr;
+    if (acc_mode >= 2) {
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) accv[v] = ar[v] + accv[v];
+    }
+    if (acc_mode == 1 || acc_mode == 2) {
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) ar[v] = accv[v];
+      continue;
     }
     uint4 res;
     T* rv = reinterpret_cast<T*>(&res);
@@ -497,13 +513,13 @@ template <typename T>
 __global__ void __launch_bounds__(128) moe_bias_grad(const T* __restrict__ src, long long ld, int cols,
                                                       const int* __restrict__ offsets, const int* __restrict__ slot_token,
                                                       const int* __restrict__ slot_k, const float* __restrict__ gates,
-                                                      int topk, int gather, T* __restrict__ out,
+                                                      int topk, int gather, T* __restrict__ out, long long ldo,
                                                       float* __restrict__ carry, int carry_in, int carry_out) {
   const int e = blockIdx.y;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   const int lo = offsets[e], hi = offsets[e + 1];
-  const long long o = (long long)e * cols + c;
+  const long long o = (long long)e * cols + c;  // carry's element (out's: e * ldo + c)
   float acc = carry_in ? carry[o] : 0.f;
   for (int s = lo; s < hi; ++s) {
     const long long row = gather ? (long long)slot_token[s] : (long long)s;
@@ -513,7 +529,7 @@ __global__ void __launch_bounds__(128) moe_bias_grad(const T* __restrict__ src, 
   if (carry_out) {
     carry[o] = acc;
   } else {
-    out[o] = from_f<T>(acc);
+    out[(long long)e * ldo + c] = from_f<T>(acc);
   }
 }
 

@@ -219,15 +219,16 @@ __device__ __forceinline__ float slot_gate(const float* gates, const int* slot_t
   return __ldg(gates + (long long)__ldg(slot_token + s) * topk + __ldg(slot_k + s));
 }
 
-// z = acc + b13; gated: a = gate columns, b = up columns (column n + N); hcur = act(a) * b.
+// z = acc + b13; gated: a = gate columns, b = up columns (z column n + N, bias element n + bup: bup = N but for a
+// launch over a column slice of h, where the bias' up half starts h after the slice); hcur = act(a) * b.
 // Stores z to zout (row stride ldz) when zout != nullptr, hcur to hout when hout != nullptr.
 template <typename T, int ACT>
-__device__ __forceinline__ void epi_act_gated(const T* bias_e, int N, T* hout, long long ldh, T* zout, long long ldz,
-                                              int s, int n, float a0, float a1, float b0, float b1) {
+__device__ __forceinline__ void epi_act_gated(const T* bias_e, long long bup, int N, T* hout, long long ldh, T* zout,
+                                              long long ldz, int s, int n, float a0, float a1, float b0, float b1) {
   if (bias_e) {
     float x0, x1, y0, y1;
     load2<T>(bias_e + n, x0, x1);
-    load2<T>(bias_e + N + n, y0, y1);
+    load2<T>(bias_e + bup + n, y0, y1);
     a0 += x0; a1 += x1; b0 += y0; b1 += y1;
   }
   if (zout) {

@@ -411,7 +411,9 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 // ---- the kernel ----------------------------------------------------------------------------------------
 // Same parameter list as moe_gemm (MODE_M); M is unused here, and so is o_estride but for EPI_DHCUR, where a
 // nonzero o_estride is the column offset of z's and dz's up half (a launch over a column slice of h passes h;
-// 0 means N). T is __nv_bfloat16 or __half.
+// 0 means N), and for a gated EPI_ACT, where it is the offset of B's up-half rows (N-major: columns) and of the
+// bias' up half (a launch over a column slice of h passes h; 0 means N; z's up half stays at column N).
+// T is __nv_bfloat16 or __half.
 // Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
 // BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
 // sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
@@ -474,6 +476,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   const int total = mt_total * tiles_n;
   const int num_kt = (Kd + BK - 1) / BK;  // >= 1 (Kd > 0 for every M-grouped GEMM)
   const long long zup = (EPI == EPI_DHCUR && o_estride) ? o_estride : N;  // EPI_DHCUR: z / dz up-half offset
+  const long long bup = (GATED && o_estride) ? o_estride : N;  // gated EPI_ACT: B's and the bias' up-half offset
 
   if (tid == 0) {
 #pragma unroll
@@ -528,7 +531,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
       }
       // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
-      // the up rows N + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
+      // the up rows bup + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
       // offsets (within expert e) of this thread's first gate (or plain) row and first up row.
       // B N-major: b_off0: element offset of (k-row rb, this chunk's global column); b_ok: column in range.
       unsigned b_ok = 0;
@@ -540,12 +543,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
         b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
-        b_off1 = (long long)(N + n0 + r0) * ldb + cc * EPC;
+        b_off1 = (bup + n0 + r0) * ldb + cc * EPC;
       } else {
         int n, col;
         if constexpr (GATED) {
           n = n0 + (cn % (CPR / 2)) * EPC;
-          col = (cn < CPR / 2) ? n : N + n;
+          col = (cn < CPR / 2) ? n : static_cast<int>(bup) + n;
         } else {
           n = n0 + cn * EPC;
           col = n;
@@ -696,7 +699,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
               float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
               sm90::add_bias2(be, n0 + c, N, a0, a1);
-              sm90::add_bias2(be ? be + N : be, n0 + c, N, b0, b1);
+              sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1);
               sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(a0, b0), gated_f<ACT>(a1, b1)));
               sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
               sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
