@@ -407,11 +407,11 @@ def test_h_slices():
     assert h_slices(1024, 2048) == [(0, 1024)]
     assert h_slices(14336, 4096) == [(0, 3584), (3584, 7168), (7168, 10752), (10752, 14336)]
     assert h_slices(600, 40) == [(0, 256), (256, 512), (512, 600)]
-    # checkpoint "none": at most half of h (whole 256-column tiles)
+    # lean (checkpoint "none", or h > d): at most half of h and of d (whole 256-column tiles)
     assert h_slices(1024, 2048, lean=True) == [(0, 512), (512, 1024)]
     assert h_slices(768, 2048, lean=True) == [(0, 512), (512, 768)]
     assert h_slices(256, 1536, lean=True) == [(0, 256)]
-    assert h_slices(14336, 4096, lean=True) == h_slices(14336, 4096)
+    assert h_slices(14336, 4096, lean=True) == [(c, c + 2048) for c in range(0, 14336, 2048)]
 
 
 @pytest.mark.gpu
