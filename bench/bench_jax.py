@@ -17,23 +17,60 @@ warm-up calls; a figure is the median of the repeats. The core's CUDA-event time
 
     ratio = jax median / core median      acceptance: ratio <= --max-ratio (1.10) at --gate-tokens (32k)
 
-Before timing, the outputs of both are compared (relative norm error under 1e-2 for each of y, dx, dw13, dw2,
-dgates; they are expected to be identical, which the JSON records). The script exits 1 when a check or a gated
-ratio fails, 0 otherwise (also when there is no GPU: nothing is measured then).
+Peak memory, as bench/bench_moe.py's ``measure_memory`` counts it for the PyTorch layer, of one call of each
+(the dispatch build included on both sides, as it is inside the jitted function):
+
+* peak bytes: the most allocated at once over one dispatch build + forward + backward, minus what was allocated
+  before it (the inputs x, w13, w2, gates, ids, dy), so y, the dispatch, the saved pre-activations, the
+  transients and the gradients count;
+* peak beyond gradients: the peak minus the bytes of the returned dx, dw13, dw2, dgates.
+
+    peak_ratio = jax / core peak beyond gradients      acceptance: peak_ratio <= --max-peak-ratio (1.05), every row
+
+The core allocates only from CuPy's pool. The JAX call allocates from XLA's allocator (its inputs, outputs and
+temporaries, the saved pre-activations among them) and from CuPy's pool (the core's workspaces inside the
+buffer callbacks), so its peak is that of the sum of the two. Both are read in a fresh process per row (this
+script with --memory-worker), because XLA's peak_bytes_in_use cannot be reset and its allocator never hands
+memory back: a row measured after another would report the larger of the two. The worker measures the core
+first and returns CuPy's blocks to the device before XLA's allocator grows, so the two never hold memory at
+once; every worker runs before this process times anything, so none competes with the timing's buffers. In
+the worker, each side runs one warm-up call (kernels compiled and loaded) and then the measured call:
+
+* CuPy: a counting allocator (``PoolTracker``) in front of the pool, installed for the measured call: every
+  block counted from when it is handed out until its last reference goes, in the pool's rounded sizes (what
+  ``used_bytes`` counts), on every thread (XLA runs the buffer callbacks on threads of its own). The JSON
+  keeps ``blazecore.moe_memory``'s prediction of the core's peak beside it (core_predicted_peak_bytes).
+* XLA: ``device.memory_stats()`` of the default BFC allocator (XLA_PYTHON_CLIENT_ALLOCATOR=bfc in the worker;
+  "platform" has no peak): peak_bytes_in_use after the call minus bytes_in_use before it. The jitted function
+  is compiled before any input is on the device, so compiling cannot have set that peak (the worker checks).
+  XLA allocates an execution's outputs and temporaries when it starts, so its bytes in use stay put while the
+  callbacks run (jax_xla_in_callbacks_bytes: the least and the most read there), and CuPy holds nothing
+  between callbacks (jax_cupy_after_bytes): the peak of the sum is the larger of XLA's peak and the largest
+  (XLA in use + CuPy in use) read at each CuPy allocation.
+
+The outputs of both are compared before timing (relative norm error under 1e-2 for each of y, dx, dw13, dw2,
+dgates; they are expected to be identical, which the JSON records). The script exits 1 when a check, a gated
+ratio or (on a GPU) a peak ratio or a peak measurement fails, 0 otherwise (also when there is no GPU: nothing is
+measured then). The JSON's "summary" holds the verdict and both gates.
 
 XLA_PYTHON_CLIENT_PREALLOCATE is set to false before jax is imported: JAX shares the GPU with CuPy's pool.
 
 Usage (from the repository root, with the project installed: pip install -e .):
     python -m bench.bench_jax                                   # olmoe, 8k and 32k tokens, policy "ab"
     python -m bench.bench_jax --tokens 32k --checkpoint both --results-dir /tmp/out
+    python -m bench.bench_jax --shapes olmoe,qwen3,fine,mixtral --tokens 32k,128k --checkpoint both --memory-only
     python -m bench.bench_jax --device cpu --shape tiny=64,32,8,2 --tokens 96   # CPU smoke test of the flow
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -52,7 +89,13 @@ SHAPES = {
 }
 ACTIVATION = "swiglu"
 OUTPUTS = ("y", "dx", "dw13", "dw2", "dgates")
+GRADS = ("dx", "dw13", "dw2", "dgates")
+ARGS = ("x", "w13", "w2", "gates", "ids", "dy")  # the jitted function's arguments, in order
 CHECK_TOL = 1e-2
+# the memory worker's one line of JSON on stdout starts with this (whatever else the libraries print)
+MEMORY_MARKER = "bench_jax memory: "
+# XLA's allocator in the memory worker: BFC (the default) keeps peak_bytes_in_use; "platform" keeps no peak
+WORKER_XLA_ALLOCATOR = "bfc"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,6 +139,7 @@ def header_for(device: str, jdev) -> dict:
     header["jax_device"] = str(jdev)
     header["jax_device_kind"] = getattr(jdev, "device_kind", None)
     header["xla_python_client_preallocate"] = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    header["xla_python_client_allocator"] = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR")  # of the timing process
     header["bench"] = "jax"
     return header
 
@@ -190,7 +234,7 @@ class CoreRun:
 
 
 class JaxRun:
-    """jax.jit of build_dispatch + vjp(moe_ffn) applied to dy."""
+    """jax.jit of build_dispatch + vjp(moe_ffn) applied to dy (``arrays`` may be set later, as ``a``)."""
 
     def __init__(self, jax, bj, arrays, E, checkpoint):
         self.jax, self.a = jax, arrays
@@ -208,9 +252,16 @@ class JaxRun:
 
         self.fn = jax.jit(step)
 
+    def compile(self, host, device):
+        """Trace and compile for the shapes and dtypes of ``host`` on ``device`` now (ahead of time: no input need
+        be there yet); later calls run that executable."""
+        on = self.jax.sharding.SingleDeviceSharding(device)  # not the default device: --device cpu beside a GPU
+        structs = [self.jax.ShapeDtypeStruct(host[k].shape, host[k].dtype, sharding=on) for k in ARGS]
+        self.fn = self.fn.lower(*structs).compile()
+
     def __call__(self):
         a = self.a
-        return self.fn(a["x"], a["w13"], a["w2"], a["gates"], a["ids"], a["dy"])
+        return self.fn(*(a[k] for k in ARGS))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,6 +321,246 @@ def compare(core_out: dict, jax_out: dict, device: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# Peak memory: one row in a fresh process (--memory-worker)
+# ------------------------------------------------------------------------------------------------
+
+
+class PoolTracker:
+    """CuPy's allocator while installed: blocks from CuPy's default pool, counted from when one is handed out
+    until its last reference goes, in the pool's rounded sizes (what ``used_bytes`` counts).
+
+    ``used_bytes`` read now and then would miss the peaks between two readings; this sees every allocation.
+    ``cupy.cuda.set_allocator`` is process-wide, so the blocks the core takes inside XLA's buffer callbacks, on
+    XLA's threads, are counted too. ``other`` (a callable returning bytes), when given, is read at every
+    allocation: the bytes another allocator holds at that moment, for the peak of the sum of the two."""
+
+    def __init__(self, cupy, other=None):
+        self.cupy, self.pool, self.other = cupy, cupy.get_default_memory_pool(), other
+        self.lock = threading.Lock()
+        self.live = self.peak = 0
+        self.peak_with_other = None  # the largest live + other() read at an allocation
+        self.other_range = None  # (least, most) other() read
+
+    def malloc(self, size):
+        mp = self.pool.malloc(size)
+        n = mp.mem.size
+        if n == 0:
+            return mp
+        with self.lock:  # nothing in here can drop a block (whose release takes the lock)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            live = self.live
+        if self.other is not None:
+            o = self.other()
+            with self.lock:
+                self.peak_with_other = max(self.peak_with_other or 0, live + o)
+                lo, hi = self.other_range or (o, o)
+                self.other_range = (min(lo, o), max(hi, o))
+        # the caller gets a view of the pool's block that owns it: when the view goes, _Block's __del__ counts
+        # the release and drops the pool's pointer, which hands the block back to the pool
+        mem = self.cupy.cuda.UnownedMemory(mp.ptr, n, _Block(self, n, mp), mp.device_id)
+        return self.cupy.cuda.MemoryPointer(mem, 0)
+
+    def release(self, n):
+        with self.lock:
+            self.live -= n
+
+    def __enter__(self):
+        self.prev = self.cupy.cuda.get_allocator()
+        self.cupy.cuda.set_allocator(self.malloc)
+        return self
+
+    def __exit__(self, *exc):
+        self.cupy.cuda.set_allocator(self.prev)
+
+
+class _Block:
+    __slots__ = ("tracker", "n", "mp")
+
+    def __init__(self, tracker, n, mp):
+        self.tracker, self.n, self.mp = tracker, n, mp
+
+    def __del__(self):
+        self.tracker.release(self.n)
+
+
+def _nbytes(outputs: dict, names) -> int:
+    return sum(int(outputs[n].nbytes) for n in names)
+
+
+def release_device_memory():
+    """Collect dropped arrays and hand CuPy's cached blocks back to the device (XLA's allocator keeps its own)."""
+    gc.collect()
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return
+    try:
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:  # no usable device (CPU runs): nothing cached
+        pass
+
+
+def core_memory(bc, host, E, policy, args) -> dict:
+    """The core's peak over one dispatch build + forward + backward, beyond its inputs (CuPy's pool only)."""
+    core = CoreRun(bc, to_core(host, args.device), E, policy, args.core_retain, args.device)
+    out = core()
+    core.sync()
+    grad_bytes = _nbytes(out, GRADS)
+    if not core.gpu:
+        return {"core_peak_bytes": None, "core_grad_bytes": grad_bytes}
+    del out  # that call was the warm-up: kernels compiled and loaded, whatever the core caches made
+    gc.collect()
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    used = pool.used_bytes()
+    with PoolTracker(cupy) as t:
+        out = core()
+        core.sync()
+    untracked = pool.used_bytes() - used - t.live  # blocks taken past the tracker (expected 0)
+    del out, core
+    return {"core_peak_bytes": t.peak, "core_grad_bytes": grad_bytes, "core_untracked_bytes": untracked}
+
+
+def jax_memory(jax, jdev, bj, host, E, policy, args) -> dict:
+    """The jitted call's peak, beyond its inputs: XLA's allocator and CuPy's pool together (module docstring)."""
+    jx = JaxRun(jax, bj, None, E, policy)
+    jx.compile(host, jdev)  # before any input is on the device: compiling cannot set the peak read below
+    if args.device == "cpu":
+        jx.a = to_jax(host, jdev)
+        out = jax.block_until_ready(jx())
+        return {"jax_peak_bytes": None, "jax_grad_bytes": _nbytes(out, GRADS)}
+    import cupy
+
+    def stats():
+        return jdev.memory_stats() or {}
+
+    compile_peak = stats().get("peak_bytes_in_use")
+    if compile_peak is None:
+        raise RuntimeError(f"{jdev}.memory_stats() has no peak_bytes_in_use (XLA_PYTHON_CLIENT_ALLOCATOR="
+                           f"{os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR')!r})")
+    jx.a = to_jax(host, jdev)
+    jax.block_until_ready(jx.a)
+    out = jax.block_until_ready(jx())  # the warm-up; the same executable on the same inputs allocates alike
+    for v in out.values():
+        v.delete()
+    del out
+    gc.collect()
+    pool = cupy.get_default_memory_pool()
+    base, used = stats()["bytes_in_use"], pool.used_bytes()
+    with PoolTracker(cupy, other=lambda: stats()["bytes_in_use"]) as t:
+        out = jax.block_until_ready(jx())
+    after = stats()
+    if after["peak_bytes_in_use"] <= compile_peak:
+        raise RuntimeError(f"XLA's peak ({after['peak_bytes_in_use']} bytes) was reached before the inputs were on "
+                           "the device: it says nothing of the call")
+    xla_peak = after["peak_bytes_in_use"] - base
+    cupy_after = t.live  # blocks the call took and still holds (expected 0): counted at XLA's peak too
+    peak = xla_peak + cupy_after
+    if t.peak_with_other is not None:
+        peak = max(peak, t.peak_with_other - base)
+    lo, hi = t.other_range or (None, None)
+    res = {
+        "jax_peak_bytes": peak,
+        "jax_grad_bytes": _nbytes(out, GRADS),
+        "jax_xla_peak_bytes": xla_peak,  # XLA's allocator alone
+        "jax_cupy_peak_bytes": t.peak,  # CuPy's pool alone (the core's workspaces in the callbacks)
+        "jax_xla_in_callbacks_bytes": None if lo is None else [lo - base, hi - base],  # XLA's in use, least/most
+        "jax_cupy_after_bytes": cupy_after,
+        "jax_untracked_bytes": pool.used_bytes() - used - t.live,
+    }
+    del out
+    return res
+
+
+def measure_memory(shape, L, policy, args) -> dict:
+    """The worker's measurement of one row: the core's, then the JAX layer's peak (``*_peak_bytes``: None on the
+    CPU, which has no such figures) and the bytes of the gradients each returned."""
+    d, h, E, K = shape
+    jax, jdev, why = jax_gpu(args.device)
+    if jax is None:
+        raise RuntimeError(why)
+    import blazecore_jax as bj
+
+    import blazecore as bc
+
+    host = host_inputs(d, h, E, K, L, args.seed)
+    res = core_memory(bc, host, E, policy, args)
+    # the core's memory model (a dry run of the same launchers), beside the measured peak as a cross-check
+    res["core_predicted_peak_bytes"] = bc.moe_memory(L, d, h, E, K, activation=ACTIVATION, checkpoint=policy).peak_bytes
+    # the core first: its blocks go back to the device before XLA's allocator grows, which never shrinks
+    release_device_memory()
+    res.update(jax_memory(jax, jdev, bj, host, E, policy, args))
+    res["memory_status"] = "ok" if args.device != "cpu" else "cpu"
+    res["xla_python_client_allocator"] = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR")
+    return res
+
+
+def _is_oom(exc) -> bool:
+    return "out of memory" in str(exc).lower() or "resource_exhausted" in str(exc).lower()
+
+
+def memory_worker(args) -> int:
+    """--memory-worker: measure_memory of the one row the arguments name; print it as MEMORY_MARKER + JSON."""
+    shape_name = args.shapes[0]
+    try:
+        res = measure_memory(args.shape_table[shape_name], args.tokens[0], args.policies[0], args)
+    except Exception as exc:
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
+        res = {"memory_status": "oom" if _is_oom(exc) else "error", "memory_message": msg}
+    print(MEMORY_MARKER + json.dumps(common._jsonable(res)), flush=True)
+    return 0 if res["memory_status"] in ("ok", "cpu") else 1
+
+
+def _worker_command(shape_name, shape, L, policy, args) -> list:
+    me = __spec__.name if __spec__ is not None else None  # None when run as a script
+    cmd = [sys.executable, "-m", me] if me and me != "__main__" else [sys.executable, os.path.abspath(__file__)]
+    cmd += ["--memory-worker", "--device", args.device, "--shape", f"{shape_name}={','.join(map(str, shape))}",
+            "--tokens", str(L), "--checkpoint", policy, "--seed", str(args.seed)]
+    return cmd + (["--core-retain"] if args.core_retain else [])
+
+
+def _worker_env() -> dict:
+    """This environment, with this process's import path (so the worker imports the same blazecore, adapters and
+    bench) and XLA's BFC allocator, not preallocating."""
+    env = dict(os.environ)
+    path = [os.path.abspath(p or os.curdir) for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in path if os.path.exists(p)))
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env["XLA_PYTHON_CLIENT_ALLOCATOR"] = WORKER_XLA_ALLOCATOR
+    return env
+
+
+def run_memory_worker(shape_name, shape, L, policy, args) -> dict:
+    """measure_memory of one row in a fresh process (this script with --memory-worker): the worker's dict, or
+    {"memory_status": "error" | "timeout", "memory_message": why} when it returned none."""
+    cmd = _worker_command(shape_name, shape, L, policy, args)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.memory_timeout, env=_worker_env())
+    except subprocess.TimeoutExpired:
+        return {"memory_status": "timeout", "memory_message": f"the memory worker ran past {args.memory_timeout} s"}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(MEMORY_MARKER):
+            return json.loads(line[len(MEMORY_MARKER):])
+    tail = " ".join((p.stderr or p.stdout or "").split())[-1500:]
+    return {"memory_status": "error", "memory_message": f"the memory worker exited {p.returncode}: {tail}"}
+
+
+def memory_figures(m: dict, max_peak_ratio: float) -> dict:
+    """A worker's result as row fields: peaks, peaks beyond gradients, their ratio jax / core and its verdict."""
+    row = dict.fromkeys(("core_peak_bytes", "core_grad_bytes", "jax_peak_bytes", "jax_grad_bytes"))
+    row.update(m)
+    core, jx = m.get("core_peak_bytes"), m.get("jax_peak_bytes")
+    cg, jg = m.get("core_grad_bytes"), m.get("jax_grad_bytes")
+    row["core_peak_beyond_grads_bytes"] = core - cg if core is not None and cg is not None else None
+    row["jax_peak_beyond_grads_bytes"] = jx - jg if jx is not None and jg is not None else None
+    cb, jb = row["core_peak_beyond_grads_bytes"], row["jax_peak_beyond_grads_bytes"]
+    row["peak_ratio"] = jb / cb if cb and jb is not None else None
+    row["peak_ok"] = row["peak_ratio"] <= max_peak_ratio if row["peak_ratio"] is not None else None
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
 # One (shape, tokens, policy)
 # ------------------------------------------------------------------------------------------------
 
@@ -305,23 +596,27 @@ def measure(core, jx, args):
     }
 
 
-def _jax_peak(jdev):
-    try:
-        stats = jdev.memory_stats() or {}
-    except Exception:
-        return None
-    return stats.get("peak_bytes_in_use")
-
-
-def run_case(bc, bj, jax, jdev, shape_name, shape, L, policy, host, args):
+def base_row(bc, shape_name, shape, L, policy, args) -> dict:
     d, h, E, K = shape
-    flops = bc.moe_flops(L, d, h, K, ACTIVATION)
-    row = {
+    gpu = args.device != "cpu"
+    return {
         "shape": shape_name, "d": d, "h": h, "E": E, "K": K, "tokens": L, "checkpoint": policy,
         "dtype": "bfloat16", "activation": ACTIVATION, "routing": f"softmax-topk-renorm seed={args.seed}",
-        "flops": flops, "repeats": args.repeats, "warmup": args.warmup, "core_retain": args.core_retain,
-        "gated": args.device != "cpu" and L in args.gate_tokens, "max_ratio": args.max_ratio,
+        "flops": bc.moe_flops(L, d, h, K, ACTIVATION), "repeats": args.repeats, "warmup": args.warmup,
+        "core_retain": args.core_retain, "timed": not args.memory_only,
+        "gated": gpu and not args.memory_only and L in args.gate_tokens, "max_ratio": args.max_ratio,
+        "peak_gated": gpu and not args.no_memory, "max_peak_ratio": args.max_peak_ratio,
+        "status": "pending" if not args.memory_only else "ok",
+        # filled by the row's memory worker (None where it measured none: the CPU, --no-memory, a failure)
+        "memory_status": "skipped" if args.no_memory else "pending",
+        **dict.fromkeys(("core_peak_bytes", "core_grad_bytes", "core_peak_beyond_grads_bytes", "jax_peak_bytes",
+                         "jax_grad_bytes", "jax_peak_beyond_grads_bytes", "peak_ratio", "peak_ok")),
     }
+
+
+def run_case(bc, bj, jax, jdev, row, host, args):
+    """Check and time one row (its memory figures come from its worker); updates and returns ``row``."""
+    E, policy, flops = row["E"], row["checkpoint"], row["flops"]
     core_arrays, jax_arrays = to_core(host, args.device), to_jax(host, jdev)
     core = CoreRun(bc, core_arrays, E, policy, args.core_retain, args.device)
     jx = JaxRun(jax, bj, jax_arrays, E, policy)
@@ -333,16 +628,20 @@ def run_case(bc, bj, jax, jdev, shape_name, shape, L, policy, host, args):
     core.sync()
     cmp_ = compare(core_out, jax_out, args.device)
     del core_out, jax_out
+    release_device_memory()  # the comparison's float32 copies
     row["check"] = cmp_
     row["check_ok"] = all(c["rel_err"] < CHECK_TOL for c in cmp_.values())
     row["identical"] = all(c["identical"] for c in cmp_.values())
     row.update(measure(core, jx, args))
     row["core_tflops"] = common.tflops(flops, row["core_ms"])
     row["jax_tflops"] = common.tflops(flops, row["jax_ms"])
-    row["jax_peak_bytes"] = _jax_peak(jdev) if args.device != "cpu" else None
     row["ratio_ok"] = row["ratio"] <= args.max_ratio
     row["status"] = "ok"
     return row
+
+
+def _mib(key):
+    return lambda r: None if r.get(key) is None else r[key] / common.MIB
 
 
 TABLE = [
@@ -354,20 +653,62 @@ TABLE = [
     ("jax ms", "jax_ms", ".3f"),
     ("ratio", "ratio", ".3f"),
     ("jax TFLOP/s", "jax_tflops", ".1f"),
+    ("core peak MiB", _mib("core_peak_bytes"), ".0f"),
+    ("jax peak MiB", _mib("jax_peak_bytes"), ".0f"),
+    ("core peak-grads MiB", _mib("core_peak_beyond_grads_bytes"), ".0f"),
+    ("jax peak-grads MiB", _mib("jax_peak_beyond_grads_bytes"), ".0f"),
+    ("peak ratio", "peak_ratio", ".3f"),
     ("check", lambda r: None if r.get("check_ok") is None else
      ("identical" if r.get("identical") else ("ok" if r["check_ok"] else "FAIL")), None),
     ("verdict", lambda r: _verdict(r), None),
 ]
 
 
+def _failures(r) -> list:
+    """Why a row fails its checks or gates ([] when it passes or is not gated)."""
+    if r.get("status") not in ("ok", "pending"):
+        return [f"{r.get('status', '?')}: {' '.join(str(r.get('message', '')).split())[:80]}"]
+    out = []
+    if r.get("timed", True) and r.get("status") == "ok" and not r.get("check_ok"):
+        out.append("outputs differ")
+    if r.get("gated") and r.get("status") == "ok" and not r.get("ratio_ok"):
+        out.append(f"ratio > {r['max_ratio']:.2f}")
+    if r.get("peak_gated"):
+        if r.get("memory_status") != "ok":
+            why = " ".join(str(r.get("memory_message", "")).split())[:80]
+            out.append(f"memory {r.get('memory_status', 'not measured')}{': ' + why if why else ''}")
+        elif not r.get("peak_ok"):
+            out.append(f"peak ratio > {r['max_peak_ratio']:.2f}")
+    return out
+
+
 def _verdict(r):
-    if r.get("status") != "ok":
-        return f"{r.get('status', '?').upper()}: {' '.join(str(r.get('message', '')).split())[:80]}"
-    if not r["check_ok"]:
-        return "FAIL (outputs differ)"
-    if not r["gated"]:
-        return "(not gated)"
-    return "pass" if r["ratio_ok"] else f"FAIL (ratio > {r['max_ratio']:.2f})"
+    fails = _failures(r)
+    if r.get("status") not in ("ok", "pending"):
+        return fails[0].upper()
+    if fails:
+        return f"FAIL ({'; '.join(fails)})"
+    gates = [g for g, on in (("time", r.get("gated")), ("peak", r.get("peak_gated"))) if on]
+    return f"pass ({', '.join(gates)})" if gates else "(not gated)"
+
+
+def summary(rows, args) -> dict:
+    """The run's verdict and its two gates, for the JSON."""
+    failed = [r for r in rows if _failures(r)]
+    timed = [r for r in rows if r.get("gated")]
+    peaked = [r for r in rows if r.get("peak_gated")]
+    ratios = [r["peak_ratio"] for r in peaked if r.get("peak_ratio") is not None]
+    return {
+        "verdict": "fail" if failed else "pass",
+        "rows": len(rows),
+        "failed_rows": [f"{r['shape']} {common.format_count(r['tokens'])} {r['checkpoint']}: {'; '.join(_failures(r))}"
+                        for r in failed],
+        "time_gate": {"max_ratio": args.max_ratio, "tokens": sorted(args.gate_tokens), "rows": len(timed),
+                      "failed": sum(1 for r in timed if not r.get("ratio_ok"))},
+        "peak_gate": {"max_peak_ratio": args.max_peak_ratio, "rows": len(peaked),
+                      "failed": sum(1 for r in peaked if not r.get("peak_ok")),
+                      "worst_peak_ratio": max(ratios) if ratios else None},
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -388,12 +729,20 @@ def parse_args(argv=None):
     ap.add_argument("--gate-tokens", default="32k",
                     help="token counts whose ratio must be <= --max-ratio (default 32k; 'all' for every count)")
     ap.add_argument("--max-ratio", type=float, default=1.10, help="acceptance: jax time / core time (default 1.10)")
+    ap.add_argument("--max-peak-ratio", type=float, default=1.05,
+                    help="acceptance on every GPU row: jax / core peak memory beyond gradients (default 1.05)")
     ap.add_argument("--checkpoint", choices=("ab", "none", "both"), default="ab", help="checkpoint policy")
     ap.add_argument("--core-retain", action="store_true",
                     help="the core's backward keeps the saved pre-activations (retain=True), as the adapter's does")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls of each (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each before timing")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-only", action="store_true", help="only the peak memory of each row: no check, no timing")
+    ap.add_argument("--no-memory", action="store_true", help="no peak memory (no worker processes): check and time")
+    ap.add_argument("--memory-timeout", type=int, default=900, help="seconds one row's memory worker may run")
+    ap.add_argument("--memory-worker", action="store_true",
+                    help="measure the peak memory of the one row named (one shape, token count and policy) in\n"
+                         "this process and print it as one line of JSON (what this script runs per row)")
     ap.add_argument("--name", default="jax", help="results file stem (default jax)")
     ap.add_argument("--results-dir", default=None, help="default bench/results")
     ap.add_argument("--no-json", action="store_true", help="print only")
@@ -429,12 +778,30 @@ def parse_args(argv=None):
         ap.error("--tokens needs positive counts")
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be positive and --warmup not negative")
+    if args.memory_only and args.no_memory:
+        ap.error("--memory-only and --no-memory exclude each other")
+    if args.memory_timeout < 1:
+        ap.error("--memory-timeout must be positive")
     args.policies = ["ab", "none"] if args.checkpoint == "both" else [args.checkpoint]
+    if args.memory_worker and (len(args.shapes) != 1 or len(args.tokens) != 1 or len(args.policies) != 1):
+        ap.error("--memory-worker measures one row: one shape, one token count, --checkpoint ab or none")
     return args
+
+
+def _memory_line(r) -> str:
+    if r.get("memory_status") not in ("ok", "cpu"):
+        return f"memory {r.get('memory_status')}: {' '.join(str(r.get('memory_message', '')).split())[:300]}"
+    if r.get("peak_ratio") is None:
+        return "memory: no figures on the CPU (the worker ran both)"
+    return (f"peak beyond gradients: core {r['core_peak_beyond_grads_bytes'] / common.MIB:.0f} MiB, jax "
+            f"{r['jax_peak_beyond_grads_bytes'] / common.MIB:.0f} MiB, ratio {r['peak_ratio']:.3f} "
+            f"({'pass' if r['peak_ok'] else 'FAIL'} at {r['max_peak_ratio']:.2f})")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.memory_worker:
+        return memory_worker(args)
     jax, jdev, why = jax_gpu(args.device)
     if jax is None:
         print(f"bench_jax: nothing measured: {why}", flush=True)
@@ -453,45 +820,66 @@ def main(argv=None) -> int:
     import blazecore as bc
 
     header = header_for(args.device, jdev)
+    header["memory_worker_xla_allocator"] = None if args.no_memory else WORKER_XLA_ALLOCATOR
     print_header(header)
-    rows = []
+    rows = [base_row(bc, s, args.shape_table[s], L, policy, args)
+            for s in args.shapes for L in args.tokens for policy in args.policies]
 
     def save():
         if args.no_json:
             return None
-        return common.write_json(args.name, header, rows, args.results_dir)
+        return common.write_json(args.name, header, rows, args.results_dir, summary=summary(rows, args))
 
-    for shape_name in args.shapes:
-        shape = args.shape_table[shape_name]
-        d, h, E, K = shape
-        print(f"\n## {shape_name}: d={d} h={h} E={E} K={K}, bf16, {ACTIVATION}", flush=True)
-        for L in args.tokens:
-            host = host_inputs(d, h, E, K, L, args.seed)
-            for policy in args.policies:
-                try:
-                    row = run_case(bc, bj, jax, jdev, shape_name, shape, L, policy, host, args)
-                except Exception as exc:
-                    msg = " ".join(f"{type(exc).__name__}: {exc}".split())
-                    row = {"shape": shape_name, "d": d, "h": h, "E": E, "K": K, "tokens": L, "checkpoint": policy,
-                           "status": "error", "message": msg[:2000]}
-                    print(f"  {common.format_count(L)} {policy}: ERROR {msg[:500]}", flush=True)
-                rows.append(row)
-                common.print_table([row], TABLE)
-                save()
-            del host
+    if not args.no_memory:
+        # every worker before any timing here: this process then holds no buffers (XLA's allocator would keep
+        # what the timing grew it to) that a worker's row would have to fit beside
+        print("\n## peak memory (one process per row)", flush=True)
+        for row in rows:
+            shape = args.shape_table[row["shape"]]
+            t0 = time.perf_counter()
+            m = run_memory_worker(row["shape"], shape, row["tokens"], row["checkpoint"], args)
+            row.update(memory_figures(m, args.max_peak_ratio))
+            row["memory_worker_s"] = time.perf_counter() - t0
+            print(f"  {row['shape']} {common.format_count(row['tokens'])} {row['checkpoint']}: {_memory_line(row)} "
+                  f"[{row['memory_worker_s']:.0f} s]", flush=True)
+            save()
+
+    if not args.memory_only:
+        for shape_name in args.shapes:
+            d, h, E, K = args.shape_table[shape_name]
+            print(f"\n## {shape_name}: d={d} h={h} E={E} K={K}, bf16, {ACTIVATION}", flush=True)
+            for L in args.tokens:
+                host = host_inputs(d, h, E, K, L, args.seed)
+                for row in (r for r in rows if r["shape"] == shape_name and r["tokens"] == L):
+                    try:
+                        run_case(bc, bj, jax, jdev, row, host, args)
+                    except Exception as exc:
+                        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+                        row.update(status="error", message=msg[:2000])
+                        print(f"  {common.format_count(L)} {row['checkpoint']}: ERROR {msg[:500]}", flush=True)
+                    release_device_memory()  # this row's CuPy blocks, before the next row's
+                    common.print_table([row], TABLE)
+                    save()
+                del host
+                release_device_memory()
 
     print("\n## all rows")
     common.print_table(rows, TABLE)
-    failed = [r for r in rows if r.get("status") != "ok" or not r.get("check_ok")
-              or (r.get("gated") and not r.get("ratio_ok"))]
     path = save()
     if path is not None:
         print(f"\nwrote {path}")
-    if failed:
-        print(f"\nbench_jax: FAILED: {len(failed)} of {len(rows)} rows (see the verdict column)", flush=True)
+    summ = summary(rows, args)
+    if summ["verdict"] != "pass":
+        print(f"\nbench_jax: FAILED: {len(summ['failed_rows'])} of {len(rows)} rows (see the verdict column)",
+              flush=True)
         return 1
-    print(f"\nbench_jax: pass ({len(rows)} rows; ratio <= {args.max_ratio:.2f} at "
-          f"{', '.join(common.format_count(t) for t in sorted(args.gate_tokens))} tokens)", flush=True)
+    gates = []
+    if not args.memory_only:
+        gates.append(f"ratio <= {args.max_ratio:.2f} at "
+                     f"{', '.join(common.format_count(t) for t in sorted(args.gate_tokens))} tokens")
+    if summ["peak_gate"]["rows"]:
+        gates.append(f"peak beyond gradients <= {args.max_peak_ratio:.2f} x core on {summ['peak_gate']['rows']} rows")
+    print(f"\nbench_jax: pass ({len(rows)} rows; {'; '.join(gates) or 'nothing gated'})", flush=True)
     return 0
 
 

@@ -118,18 +118,31 @@ def hf_table(doc: dict) -> str:
 
 
 def jax_table(doc: dict) -> str:
+    """bench_jax.py: time and peak memory beyond the gradients of the JAX layer against the core ('-' where a row
+    has no such figure: a run without memory measurements, a memory-only run's times)."""
     h = doc["header"]
+
+    def f(v, fmt, scale=1.0):
+        return "-" if v is None else format(v / scale, fmt)
+
     out = [f"JAX adapter (jitted forward+backward of blazecore_jax.moe_ffn, routing given) vs the core on CuPy arrays, "
-           f"bf16 ({_header_line(h)}, jax {h.get('jax')}):", "",
-           "| shape | tokens | checkpoint | core ms | jax ms | ratio | jax TFLOP/s | outputs |",
-           "|---|---:|---|---:|---:|---:|---:|---|"]
+           f"bf16 ({_header_line(h)}, jax {h.get('jax')}); peak - grads: the peak over one call beyond its inputs "
+           "minus the returned dx, dw13, dw2, dgates, each row in a fresh process:", "",
+           "| shape | tokens | checkpoint | core ms | jax ms | ratio | jax TFLOP/s | core peak - grads MiB | "
+           "jax peak - grads MiB | peak ratio | outputs |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in doc["rows"]:
         if r.get("status") != "ok":
-            out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r.get('checkpoint')} | {r.get('status')} | | | | |")
+            out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r.get('checkpoint')} | {r.get('status')} "
+                       "| | | | | | | |")
             continue
-        same = "identical" if r.get("identical") else ("close" if r.get("check_ok") else "DIFFER")
-        out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['checkpoint']} | {r['core_ms']:.2f} | "
-                   f"{r['jax_ms']:.2f} | {r['ratio']:.3f} | {r['jax_tflops']:.0f} | {same} |")
+        same = ("-" if r.get("check_ok") is None else
+                "identical" if r.get("identical") else ("close" if r.get("check_ok") else "DIFFER"))
+        out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['checkpoint']} | {f(r.get('core_ms'), '.2f')} | "
+                   f"{f(r.get('jax_ms'), '.2f')} | {f(r.get('ratio'), '.3f')} | {f(r.get('jax_tflops'), '.0f')} | "
+                   f"{f(r.get('core_peak_beyond_grads_bytes'), '.0f', 2**20)} | "
+                   f"{f(r.get('jax_peak_beyond_grads_bytes'), '.0f', 2**20)} | {f(r.get('peak_ratio'), '.3f')} | "
+                   f"{same} |")
     return "\n".join(out)
 
 
