@@ -9,7 +9,8 @@ that the experts dominate a training step:
     mixtral      2048     4096        8      2      4     16 (8)
 
 trained for --steps AdamW steps on batches of 16 x 2048 = 32k tokens, once per experts implementation:
-"blazecore" (``import blazecore_torch.hf``; checkpoint policy "ab"), "blazecore-none" (policy "none"),
+"blazecore" (``import blazecore_torch.hf`` with its default settings: checkpoint policy
+``blazecore_torch.hf.DEFAULT_CHECKPOINT``), "blazecore-ab" and "blazecore-none" (that policy set in the config),
 transformers' "grouped_mm" and, when time allows, "eager". Every implementation starts from the same weights
 (one model: its initial state is restored and the implementation switched with ``set_experts_implementation``),
 with a fresh optimizer and the same batches (a bigram process with noise over the vocabulary, so the loss
@@ -56,9 +57,12 @@ FAMILIES = {
     "mixtral": ("mixtral", 2048, 4096, 8, 2, 4, 16, 8),
     "tiny": ("olmoe", 32, 16, 6, 2, 2, 4, 2),  # the CPU smoke test
 }
-# name: (transformers experts implementation, blazecore checkpoint policy or None)
+# name: (transformers experts implementation, blazecore checkpoint policy, DEFAULT (the backend's default: no
+# blazecore_checkpoint in the config) or None)
+DEFAULT = "default"
 IMPLS = {
-    "blazecore": ("blazecore", "ab"),
+    "blazecore": ("blazecore", DEFAULT),
+    "blazecore-ab": ("blazecore", "ab"),
     "blazecore-none": ("blazecore", "none"),
     "grouped_mm": ("grouped_mm", None),
     "eager": ("eager", None),
@@ -136,6 +140,16 @@ def make_optimizer(model, lr: float, device: str):
     return torch.optim.AdamW(model.parameters(), **kw)
 
 
+def _policy(impl: str) -> str | None:
+    """The blazecore checkpoint policy ``impl`` runs (the backend's default for "blazecore"), None for the others."""
+    policy = IMPLS[impl][1]
+    if policy == DEFAULT:
+        import blazecore_torch.hf
+
+        return blazecore_torch.hf.DEFAULT_CHECKPOINT
+    return policy
+
+
 def set_implementation(model, impl: str) -> str:
     """Switch the model's experts to ``impl`` (and blazecore's checkpoint policy); returns what the config says."""
     name, policy = IMPLS[impl]
@@ -145,7 +159,10 @@ def set_implementation(model, impl: str) -> str:
         for m in model.modules():
             cfg = getattr(m, "config", None)
             if cfg is not None:
-                cfg.blazecore_checkpoint = policy
+                if policy == DEFAULT:
+                    cfg.__dict__.pop("blazecore_checkpoint", None)  # an earlier implementation's setting
+                else:
+                    cfg.blazecore_checkpoint = policy
     model.set_experts_implementation(name)
     got = model.config._experts_implementation
     if got != name:
@@ -412,7 +429,7 @@ def main(argv=None) -> int:
                 "dtype": header["dtype"]}
         print(f"  {n_params / 1e9:.2f}B parameters", flush=True)
         for impl in args.impls:
-            row = {**base, "impl": impl, "checkpoint": IMPLS[impl][1]}
+            row = {**base, "impl": impl, "checkpoint": _policy(impl)}
             try:
                 row.update(status="ok", **train(model, init_state, batches, impl, args))
             except Exception as exc:

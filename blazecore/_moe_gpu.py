@@ -73,6 +73,7 @@ def _variants(act, t=False):
     return {
         "gemm1": (MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
         "gemm2": (MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
+        "gemm2z": (MODE_M, True, not t, EPI_ROWSCALE, act, False, False),  # the same from z (sm_90a: A_ACT)
         "dhcur": (MODE_M, True, t, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
         "dx": (MODE_M, True, t, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
         "dw2": (MODE_K, False, False, EPI_WGRAD, 0, not t, t),  # dw2 = dy_g^T (g hcur)
@@ -81,15 +82,16 @@ def _variants(act, t=False):
 
 
 def _module_names(ct, act, t=False):
-    names = [_gemm_name(ct, *v) for v in _variants(act, t).values()]
+    names = [_gemm_name(ct, *v) for k, v in _variants(act, t).items() if k not in _SM90_ONLY]
     names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
               "blz::moe_block_starts", "blz::moe_mark_seen"]
     return names
 
 
-def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False):
+def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}>"
+    tail = ", true" if a_act else ""
+    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}{tail}>"
 
 
 def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
@@ -102,6 +104,8 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
     ``b_load``: how an M-grouped kernel loads B (one of B_LOADS)."""
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
+    if which == "gemm2z":
+        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=b_load == "tma", a_act=True)
     if which == "dw2":
         # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
         # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
@@ -119,20 +123,23 @@ def _module_names90(ct, act):
     return tuple(names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")])
 
 
-def _smem90(bn=BN90, staging=True):
-    """sm90::Cfg<bn, staging>::SMEM_BYTES: alignment slack, the stage ring, then for the M-grouped kernels (staging)
-    8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1 epilogue-done and 8 tile-descriptor ones
-    with staging; the end rounded to 16 bytes) and, with staging, 8 tile descriptors of 16 bytes."""
-    stages = 4 if bn == 256 else 6
+def _smem90(bn=BN90, staging=True, a_tiles=1):
+    """sm90::Cfg<bn, staging, a_tiles>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of 128 rows and
+    one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256 and 6 at 128), then
+    for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
+    epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
+    descriptors of 16 bytes."""
+    stages = 3 if a_tiles == 2 else 4 if bn == 256 else 6
     nbar = 2 * stages + (9 if staging else 0)
     epi = 8 * 4096 if staging else 0
-    return 1024 + stages * (128 + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
+    return 1024 + stages * (128 * a_tiles + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
 
 
 # The sm_90a M-grouped kernels: shared memory with the epilogue staging area, launched persistent (one CTA per SM).
 # EPI_ACT and EPI_ROWSCALE stage their epilogue outside the stage ring, so the producer fills the next tile's
 # stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
-_M_GROUPED = {"gemm1", "gemm2", "dhcur", "dx"}
+_M_GROUPED = {"gemm1", "gemm2", "gemm2z", "dhcur", "dx"}
+_SM90_ONLY = {"gemm2z"}  # variants only the sm_90a kernels have
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -200,7 +207,7 @@ class _Kernels:
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
-            smem = _smem90(staging=which in _M_GROUPED)
+            smem = _smem90(staging=which in _M_GROUPED, a_tiles=2 if which == "gemm2z" and self.gated else 1)
             fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, self.b_load),
                                        module_names=names, max_dynamic_smem=smem)
             return fn, smem, NTHREADS90, BN90
@@ -283,11 +290,12 @@ def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream, 
     r0 = 2 * c0 if kern.interleaved else c0  # the slice's first row of w13 (first column "in_out") and of b13
     up = h if kern.gated and not kern.interleaved and w != h else 0  # its up half's rows: h after the gate rows
     flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
+    ldh = h if hbuf is None else hbuf.shape[1]
     # w13 (E, H2, d): K-major rows of d; "in_out" (E, d, H2): N-major, k-rows of H2
     _launch_gemm(kern, "gemm1", _m_grid(LK, E, kern.tiles_n("gemm1", w, gated=kern.gated)), stream, A=x, lda=d,
                  B=w13[:, :, r0:] if kern.t else w13[:, r0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
                  disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
-                 out=hbuf if hbuf is not None else zbuf, ldo=h, o_estride=up, out2=zbuf,
+                 out=hbuf if hbuf is not None else zbuf, ldo=ldh, o_estride=up, out2=zbuf,
                  ldo2=H2 if zbuf is None else zbuf.shape[1], bias=None if b13 is None else b13[:, r0:],
                  bias_estride=H2, flags=flags)
 
@@ -321,29 +329,75 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
+FUSED_ACT_A = True  # sm_90a, checkpoint "ab": the second GEMM reads z and activates it in registers (no hcur)
+
+
 def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream):
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
-    hbuf = _array.empty_gpu((LK, h), dt).view
-    _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, z, stream)
+    if z is None and h > d:
+        _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream)
+        return
+    fused = FUSED_ACT_A and kern.sm90 and z is not None
+    if fused:  # z only; the second GEMM activates its A tiles (z) in registers
+        _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, None, z, stream)
+        a, lda = z, H2
+    else:
+        a = _array.empty_gpu((LK, h), dt).view
+        _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, a, z, stream)
+        lda = h
     # o = g * (hcur w2^T) per slot, then the deterministic combine into y, in column slices of d (o_slices): each
-    # element is computed as in one slice, and the per-slot rows take (L*K, width) beside hcur
+    # element is computed as in one slice, and the per-slot rows take (L*K, width) beside hcur (or z)
     sl = o_slices(d)
     obuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in sl),), dt).view
     for i, (c0, c1) in enumerate(sl):
         w = c1 - c0
         rows = obuf[:LK * w].reshape(LK, w)
         # w2 (E, d, h): rows c0.. of d, K-major; "in_out" (E, h, d): columns c0.., N-major
-        _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=hbuf, lda=h,
-                     B=w2[:, :, c0:] if kern.t else w2[:, c0:], ldb=d if kern.t else h, b_estride=d * h,
+        _launch_gemm(kern, "gemm2z" if fused else "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=a,
+                     lda=lda, B=w2[:, :, c0:] if kern.t else w2[:, c0:], ldb=d if kern.t else h, b_estride=d * h,
                      disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=h, out=rows, ldo=w,
                      bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
         if i == len(sl) - 1:
-            del hbuf
+            del a
         kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
                                                 (rows, disp.pair_slot, np.int32(K), np.int32(w), y[:, c0:],
                                                  np.int64(d), _NULL, np.int32(0)),
                                                 stream=stream)
+
+
+def _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream):
+    """Checkpoint "none" where h > d: the forward per column slice [c0, c1) of h (h_slices, lean), so hcur (L*K, h)
+    never exists, only the slice's (L*K, width): hcur's slice (gemm1 on the slice's rows of w13), then its share
+    g * (hcur_s w2_s^T) of each slot's output row (the bias b2 with the first slice), combined into an fp32 (L, d)
+    sum in a fixed order (slice by slice) and rounded once. y is as accurate as the unsliced forward's and
+    bit-identical run to run and chunked as unchunked, but may differ from it (and from checkpoint "ab") in the last
+    bit, as dx of the z-sliced backward does."""
+    L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
+    slices = h_slices(h, d, lean=True)
+    hbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
+    sl = o_slices(d)
+    obuf = _array.empty_gpu((LK * max(e1 - e0 for e0, e1 in sl),), dt).view
+    acc = _array.empty_gpu((L, d), np.float32).view
+    for si, (c0, c1) in enumerate(slices):
+        w = c1 - c0
+        hs = hbuf[:LK * w].reshape(LK, w)
+        _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hs, None, stream, c0=c0, w=w)
+        # moe_combine's acc_mode: 1 the first slice's rows, 3 the last's (rounded into y), else 2; 0: a single one
+        mode = 0 if len(slices) == 1 else 1 if si == 0 else 3 if si == len(slices) - 1 else 2
+        for e0, e1 in sl:
+            we = e1 - e0
+            rows = obuf[:LK * we].reshape(LK, we)
+            # w2 (E, d, h): rows e0.. of d, columns c0.. of h, K-major; "in_out" (E, h, d): N-major
+            _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", we)), stream, A=hs, lda=w,
+                         B=w2[:, c0:, e0:] if kern.t else w2[:, e0:, c0:], ldb=d if kern.t else h, b_estride=d * h,
+                         disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=w, out=rows, ldo=we,
+                         bias=None if b2 is None or si > 0 else b2[:, e0:], bias_estride=d, gates=gates, topk=K)
+            kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
+                                                    (rows, disp.pair_slot, np.int32(K), np.int32(we), y[:, e0:],
+                                                     np.int64(d), acc[:, e0:], np.int32(mode)),
+                                                    stream=stream)
+    del hbuf, obuf, acc
 
 
 class _Carry:

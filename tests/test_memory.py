@@ -116,20 +116,24 @@ def test_cpu_chunked_matches_unchunked_and_ab_layout():
 OLMOE = dict(d=2048, h=1024, E=64, K=8)
 
 
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])
-def test_model_terms(checkpoint):
-    """Closed-form check of the unchunked model for a shape whose buffers are all 512-byte multiples."""
+def test_model_terms(checkpoint, sm90):
+    """Closed-form check of the unchunked model for a shape whose buffers are all 512-byte multiples. On sm_90a,
+    "ab"'s second GEMM activates z in registers: no hcur (L*K, h) in the forward."""
     L, (d, h, E, K) = 4096, OLMOE.values()
-    est = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint)
+    est = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint, sm90=sm90)
     b, LK = 2, L * K
     z = LK * 2 * h * b if checkpoint == "ab" else 0
     disp = 512 + 3 * 4 * LK
-    fwd = L * d * b + disp + z + 512 + LK * h * b + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
+    hcur = 0 if checkpoint == "ab" and sm90 else LK * h * b
+    fwd = L * d * b + disp + z + 512 + hcur + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
     grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
     zc = LK * 2 * h * b if checkpoint == "none" else 0
     # "none" runs dh' / dw2 in two column slices of h and dx in four of d (_moe_gpu.h_slices / dx_slices, lean)
     hw, dw = (h // 2, d // 4) if checkpoint == "none" else (h, d)
-    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * hw * b + 4 * LK * 4, LK * dw * b)
+    tiles_nh = -(-h // (256 if sm90 else 128))  # dh' n-tiles: the fp32 dgates partials per slot
+    bwd = L * d * b + disp + z + grads + 512 + zc + max(LK * hw * b + 4 * LK * tiles_nh, LK * dw * b)
     assert est.held_bytes == disp + z
     assert est.forward_peak_bytes >= fwd  # + the dispatch build's transient workspace
     assert est.forward_peak_bytes - fwd <= 4 * (64 * E + E) + 512
@@ -157,6 +161,10 @@ def test_model_terms_wide_h(checkpoint):
         transient = max(LK * w * b + 4 * LK * tiles_nh, LK * wd * b)
     assert est.held_bytes == disp + z
     assert est.peak_bytes == y + disp + z + grads + 512 + transient
+    # forward: "none" runs per column slice of h (hcur's slice, the per-slot rows of a 1024-wide slice of y, y's
+    # fp32 sum); "ab" keeps z, and its second GEMM reads z (no hcur)
+    fwd_transient = LK * w * b + LK * wd * b + 4 * L * d if checkpoint == "none" else LK * wd * b
+    assert est.forward_peak_bytes - (y + disp + z + 512 + fwd_transient) in range(0, 4 * (64 * E + E) + 513)
     grad_shapes = {(L, d), (E, 2 * h, d), (E, d, h), (L, K)}
     backward = [ev for ev in trace.events[trace.forward_events:] if ev[0] == "alloc" and ev[2] not in grad_shapes]
     assert max(ev[1] for ev in backward) == (4 * L * d if checkpoint == "none" else LK * w * b)

@@ -118,9 +118,10 @@ def test_layouts_deterministic_and_chunked(backend, config):
 @pytest.mark.parametrize("backend", backends())
 def test_z_sliced_backward(backend, dname, config):
     """Checkpoint "none" with h > d recomputes z and runs the whole backward per column slice of h (GPU:
-    _moe_gpu._backward_z_sliced, three slices here), summing dx over the slices in fp32. Against the reference;
-    dw13, dw2, db13, db2 and dgates with the bits of policy "ab" (the same dz, reduced in the same order), dx as
-    close to "ab"'s as to the reference; bit-identical run to run and with 3 chunks as unchunked."""
+    _moe_gpu._backward_z_sliced, three slices here), summing dx over the slices in fp32; its forward runs per
+    column slice of h as well, summing y in fp32 (_forward_h_sliced). Against the reference; dw13, dw2, db13, db2
+    and dgates with the bits of policy "ab" (the same dz, reduced in the same order), y and dx as close to "ab"'s
+    as to the reference; bit-identical run to run and with 3 chunks as unchunked."""
     base, interleaved, layout = config
     case = next(c for c in CASES if c.name == "wide_h")
     assert case.h > case.d
@@ -131,9 +132,10 @@ def test_z_sliced_backward(backend, dname, config):
     rtol = TOL[DTYPES[dname]]
     y_ref, g_ref = _expected(inp, base, interleaved, layout, backend)
     runs = [_run(dev, name, layout, "none", block_tokens=32, chunks=c) for c in (1, 1, 3)]
-    _, _, ab = _run(dev, name, layout, "ab", block_tokens=32)
+    y_ab, _, ab = _run(dev, name, layout, "ab", block_tokens=32)
     y, _, g = runs[0]
     assert_close(y, y_ref, rtol, "y")
+    assert_close(y, np.asarray(to_numpy(y_ab), np.float64), rtol, "y vs ab")
     for key in GRAD_KEYS:
         assert_close(getattr(g, key), g_ref[key], rtol, key)
         if key == "dx":

@@ -19,8 +19,12 @@ post-expert norm, no expert parallelism. Weight layouts: (E, out, in) with [gate
 (E, in, out) weights (``is_transposed``: blazecore's ``weight_layout="in_out"``) and interleaved gate/up
 columns (``is_concatenated=False``, gpt-oss: the activation's "_interleaved" form), all read as the parameters
 are stored, with no copy per step (on the GPU the latter two run on the mma.sync kernels). Anything else raises
-NotImplementedError naming the feature rather than computing something different. The checkpoint policy is
-``config.blazecore_checkpoint`` when set ("ab" by default).
+NotImplementedError naming the feature rather than computing something different.
+
+The checkpoint policy is ``config.blazecore_checkpoint`` when set, else :data:`DEFAULT_CHECKPOINT` ("none"): in a
+model's training step every MoE layer's saved tensors stay alive until its backward, so policy "ab"'s (L*K, 2h)
+pre-activations add up over the layers, while "none" recomputes them with one more first GEMM per layer. Set
+``config.blazecore_checkpoint = "ab"`` to keep them (faster, more memory).
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from . import ops
 
-__all__ = ["BACKEND_NAME", "KNOWN_GATES", "blazecore_experts_forward", "experts_activation", "register", "unsupported"]
+__all__ = ["BACKEND_NAME", "DEFAULT_CHECKPOINT", "KNOWN_GATES", "blazecore_experts_forward", "experts_activation", "register", "unsupported"]
 
 BACKEND_NAME = "blazecore"
+DEFAULT_CHECKPOINT = "none"  # the policy when config.blazecore_checkpoint is not set (see the module docstring)
 
 # config.hidden_act -> blazecore activation, for experts with a gate (act(gate) * up) and without
 _GATED_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu",
@@ -164,7 +169,7 @@ def blazecore_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
         activation += "_interleaved"  # rows [g0, u0, g1, u1, ...] (gpt-oss)
     w13, w2, b13, b2, layout = _weights(self)
     gate_dtype = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-    checkpoint = getattr(self.config, "blazecore_checkpoint", "ab")
+    checkpoint = getattr(self.config, "blazecore_checkpoint", None) or DEFAULT_CHECKPOINT
     # the HF router's top-k ids are in range and distinct: no validation read (it would sync a CUDA stream)
     dispatch = ops.build_dispatch(top_k_index, w13.shape[0], validate=False)
     return ops.moe_ffn(hidden_states, w13, w2, top_k_weights.to(gate_dtype), top_k_index,

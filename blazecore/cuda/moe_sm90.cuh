@@ -69,12 +69,16 @@ constexpr int INFO_SLOTS = 8;          // tile descriptors in flight from the pr
 // Shared memory (base aligned to 1024): the stage ring, the consumer warps' epilogue staging, then the
 // mbarriers (STAGES full, STAGES empty, 1 epilogue-done, INFO_SLOTS tile-info; 16-byte aligned end) and the
 // INFO_SLOTS tile descriptors (16 bytes each). STAGING = false (the weight-gradient kernel): no epilogue staging, no tile descriptors.
-template <int BN, bool STAGING = true> struct Cfg {
+// A_TILES = 2 (a gated A_ACT GEMM): each stage holds two A tiles, the gate and the up columns of z, before the B
+// tile, and the ring is 3 stages deep.
+template <int BN, bool STAGING = true, int A_TILES = 1> struct Cfg {
   static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
-  static constexpr int STAGES = (BN == 256) ? 4 : 6;
+  static_assert(A_TILES == 1 || A_TILES == 2, "one or two A tiles a stage");
+  static constexpr int STAGES = A_TILES == 2 ? 3 : (BN == 256) ? 4 : 6;
   static constexpr int A_BYTES = BM * ROW_BYTES;     // 16 KB
   static constexpr int B_BYTES = BN * ROW_BYTES;     // 32 KB (BN = 256) or 16 KB
-  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int B_OFFSET = A_TILES * A_BYTES;  // the B tile's offset in a stage
+  static constexpr int STAGE_BYTES = B_OFFSET + B_BYTES;
   static constexpr int EPI_OFFSET = STAGES * STAGE_BYTES;
   static constexpr int BAR_OFFSET = EPI_OFFSET + (STAGING ? 4 * CONSUMER_WGS * EPI_WARP_BYTES : 0);
   static constexpr int NINFO = STAGING ? INFO_SLOTS : 0;
@@ -201,6 +205,27 @@ template <int N, typename T> struct Wgmma;
                    : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));                            \
     }                                                                                                       \
   };
+// A from registers (WgmmaRs): the warp's 16 rows x 16 k of the 64 x 16 A tile in a[4], in the layout of
+// mma.m16n8k16's A fragment (ldmatrix.x4 of the four 8 x 8 blocks: rows 0-7 / 8-15, k 0-7 / 8-15); operands:
+// REGS accumulators, a[0..3] (%REGS..%REGS+3), B's descriptor (%REGS+4), scale_d (%REGS+5), transpose-B (%REGS+6).
+template <int N, typename T> struct WgmmaRs;
+#define BLZ_WGMMA_RS_SPEC(N, CT, PT, IA0, IA1, IA2, IA3, IDB, ISD, ITB)                                        \
+  template <> struct WgmmaRs<N, CT> {                                                                       \
+    template <int TRANS_B>                                                                                  \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long db, \
+                                               int scale_d) {                                               \
+      asm volatile("{\n.reg .pred sd;\nsetp.ne.b32 sd, %" ISD ", 0;\n"                                      \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PT "." PT " {" BLZ_WG_DSTR_##N "}, {%" IA0 \
+                   ", %" IA1 ", %" IA2 ", %" IA3 "}, %" IDB ", sd, 1, 1, %" ITB ";\n}\n"                       \
+                   : BLZ_WG_DOPS_##N                                                                        \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TRANS_B));       \
+    }                                                                                                       \
+  };
+BLZ_WGMMA_RS_SPEC(128, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68", "69", "70")
+BLZ_WGMMA_RS_SPEC(128, __half, "f16", "64", "65", "66", "67", "68", "69", "70")
+BLZ_WGMMA_RS_SPEC(256, __nv_bfloat16, "bf16", "128", "129", "130", "131", "132", "133", "134")
+BLZ_WGMMA_RS_SPEC(256, __half, "f16", "128", "129", "130", "131", "132", "133", "134")
+#undef BLZ_WGMMA_RS_SPEC
 BLZ_WGMMA_SPEC(128, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68")
 BLZ_WGMMA_SPEC(128, __half, "f16", "64", "65", "66", "67", "68")
 BLZ_WGMMA_SPEC(256, __nv_bfloat16, "bf16", "128", "129", "130", "131", "132")
@@ -298,6 +323,11 @@ __device__ __forceinline__ void st_shared_u16(unsigned addr, unsigned short v) {
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void ldmatrix_x4_s(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -374,7 +404,7 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
 // stage / phase: the ring position of the first k-tile, advanced past the last; every stage read is released,
 // so a persistent CTA continues with the next tile's k-tiles.
-template <int STAGES, int R, class F>
+template <int STAGES, int R, class F, int INFLIGHT = 1>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
                                                   int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
                                                   bool keep_acc = false) {
@@ -388,9 +418,13 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
     wgmma_fence();
     issue(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
     wgmma_commit();
-    wgmma_wait<1>();  // the k-tile before this one is done: its stage can be refilled
+    wgmma_wait<INFLIGHT>();  // the k-tile before this one is done (INFLIGHT 1): its stage can be refilled
     fence_regs(acc);
-    if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+    if constexpr (INFLIGHT == 0) {
+      if ((t & 31) == 0) mbar_arrive(empty0 + 8 * stage);
+    } else {
+      if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+    }
     prev = stage;
     if (++stage == STAGES) {
       stage = 0;
@@ -399,7 +433,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  if (num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
   if (num_kt == 0 && !keep_acc) {
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.f;
@@ -423,7 +457,8 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
 //     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
 //     128-byte rows, which is the layout the cp.async path writes.
 //   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
-template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false>
+template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false,
+          bool A_ACT = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -447,7 +482,11 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
   // local names (moe.cu has its own BM, BK, STAGES at namespace scope)
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
-  using C = sm90::Cfg<BN>;
+  // A_ACT: A holds pre-activations z in slot order (gated: the gate columns [0, Kd), the up columns [Kd, 2 Kd));
+  // the consumers read A's fragments into registers and apply the activation there (hcur is never stored)
+  static_assert(!A_ACT || (EPI == EPI_ROWSCALE && !A_GATHER), "A_ACT: the second GEMM's slot-ordered A only");
+  constexpr bool A2 = A_ACT && act_gated(ACT);  // two A tiles a stage: gate and up
+  using C = sm90::Cfg<BN, true, A2 ? 2 : 1>;
   constexpr int STAGES = C::STAGES;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
@@ -579,15 +618,17 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           }
         }
         if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
-        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::B_OFFSET;
         const int k0 = kt * BK;
         const int kc = k0 + cc * EPC;
         const bool kok = kc < Kd;
 #pragma unroll
         for (int i = 0; i < BM / 16; ++i) {
           const bool ok = kok && a_row[i] >= 0;
-          sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? A + (long long)a_row[i] * lda + kc : A,
-                             ok ? 16 : 0);
+          const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
+          sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
+          if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? src + Kd : A,
+                                               ok ? 16 : 0);
         }
         if constexpr (B_TMA) {
           // one thread issues the stage's boxes after raising the full barrier's transaction count by B_BYTES
@@ -654,8 +695,11 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     float acc[BN / 2];
 
     const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * ROW_BYTES, 16, 1024);
-    const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::A_BYTES, 16, 1024)
-                                            : sm90::make_desc(sbase + C::A_BYTES, BK * ROW_BYTES, 1024);
+    const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::B_OFFSET, 16, 1024)
+                                            : sm90::make_desc(sbase + C::B_OFFSET, BK * ROW_BYTES, 1024);
+    // A_ACT: this lane's ldmatrix.x4 row (block q = lane / 8: rows + 8 (q % 2), k chunk + q / 2) in the A tile
+    const int a_q = lane >> 3, a_r = lane & 7;
+    const unsigned a_row_off = static_cast<unsigned>((cw * 64 + wq * 16 + (a_q & 1) * 8 + a_r) * ROW_BYTES);
     constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * ROW_BYTES) >> 4;  // k16 step, encoded
 
     int stage = 0;
@@ -668,13 +712,47 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       const int tn = static_cast<int>(ti.w);
       const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
 
-      sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
-                                      [&](unsigned long long soff, int kt) {
+      auto issue = [&](unsigned long long soff, int kt) {
+        if constexpr (A_ACT) {
+          // the k-tile's A fragments from shared memory (z, 128-byte swizzled rows), activated in fp32, rounded
+          const unsigned st = sbase + (static_cast<unsigned>(soff) << 4) + a_row_off;
+          unsigned af[BK / 16][4];
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks)
-          sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
-                                                             (kt | ks) != 0);
-      });
+          for (int ks = 0; ks < BK / 16; ++ks) {
+            const unsigned off = static_cast<unsigned>(((2 * ks + (a_q >> 1)) ^ a_r) << 4);
+            unsigned g[4];
+            sm90::ldmatrix_x4_s(g, st + off);
+            if constexpr (A2) {
+              unsigned u[4];
+              sm90::ldmatrix_x4_s(u, st + C::A_BYTES + off);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float2 a = sm90::unpack2<T>(g[i]), b = sm90::unpack2<T>(u[i]);
+                af[ks][i] = sm90::pack2<T>(gated_f<ACT>(a.x, b.x), gated_f<ACT>(a.y, b.y));
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float2 a = sm90::unpack2<T>(g[i]);
+                af[ks][i] = sm90::pack2<T>(act_f<ACT>(a.x), act_f<ACT>(a.y));
+              }
+            }
+          }
+          sm90::wgmma_fence();  // the A registers were written by other instructions
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            sm90::WgmmaRs<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, af[ks], db0 + soff + ks * B_KSTEP, (kt | ks) != 0);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
+                                                               (kt | ks) != 0);
+        }
+      };
+      // A_ACT: the A registers are rewritten every k-tile, so each k-tile's wgmmas finish before the next is read
+      // (the other consumer warpgroup's wgmmas overlap this one's activation math)
+      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, A_ACT ? 0 : 1>(
+          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue);
 
       // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) --------------------
       const int srow0 = m0 + cw * 64;     // slot of warpgroup row 0
@@ -700,14 +778,19 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
               sm90::add_bias2(be, n0 + c, N, a0, a1);
               sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1);
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(a0, b0), gated_f<ACT>(a1, b1)));
-              sm90::st_shared_u32(za + off, sm90::pack2<T>(a0, a1));
-              sm90::st_shared_u32(zb + off, sm90::pack2<T>(b0, b1));
+              // hcur from z as stored (rounded to T), as the A_ACT second GEMM and the backward recompute it
+              const unsigned zav = sm90::pack2<T>(a0, a1), zbv = sm90::pack2<T>(b0, b1);
+              const float2 ar = sm90::unpack2<T>(zav), br = sm90::unpack2<T>(zbv);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(ar.x, br.x), gated_f<ACT>(ar.y, br.y)));
+              sm90::st_shared_u32(za + off, zav);
+              sm90::st_shared_u32(zb + off, zbv);
             } else {
               float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
               sm90::add_bias2(be, n0 + c, N, z0, z1);
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(z0), act_f<ACT>(z1)));
-              sm90::st_shared_u32(za + off, sm90::pack2<T>(z0, z1));
+              const unsigned zv = sm90::pack2<T>(z0, z1);
+              const float2 zr = sm90::unpack2<T>(zv);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
+              sm90::st_shared_u32(za + off, zv);
             }
           }, [&](int rl, unsigned off, int col) {
             const int s = wrow0 + rl, nc = n0 + col;
