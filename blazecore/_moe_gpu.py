@@ -308,7 +308,8 @@ def _dims(x, w13, w2, gates, t=False):
     return L, d, E, h, K, L * K, w13.shape[2 if t else 1], logical_dtype(x)
 
 
-def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream, weight_layout="out_in"):
+def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream, weight_layout="out_in",
+            act_in_operand=False):
     """y = combine_k g * expert(x), chunk by chunk; returns (z_user or None, extra).
 
     ``chunks`` lists (t0, t1, dispatch of expert_ids[t0:t1]) covering [0, L) in order. The transients (hcur and
@@ -325,20 +326,17 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
     kern = _Kernels(dt, activation, weight_layout=weight_layout)
     for t0, t1, disp in chunks:
         zc = z.view[t0 * K:t1 * K] if z is not None else None
-        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, b13, b2, y[t0:t1], zc, stream)
+        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, b13, b2, y[t0:t1], zc, stream, act_in_operand)
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
-FUSED_ACT_A = True  # sm_90a, checkpoint "ab": the second GEMM reads z and activates it in registers (no hcur)
-
-
-def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream):
+def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_operand=False):
     L, d, E, h, K, LK, H2, dt = _dims(x, w13, w2, gates, kern.t)
     tile_offsets = _tile_offsets(kern, disp, E, stream)
     if z is None and h > d:
         _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream)
         return
-    fused = FUSED_ACT_A and kern.sm90 and z is not None
+    fused = act_in_operand and kern.sm90 and z is not None  # (moe_forward's act_in_operand)
     if fused:  # z only; the second GEMM activates its A tiles (z) in registers
         _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, None, z, stream)
         a, lda = z, H2
@@ -761,7 +759,7 @@ def chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
 
 
 def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkpoint, dispatch, out, stream,
-                  chunking, weight_layout="out_in"):
+                  chunking, weight_layout="out_in", act_in_operand=False):
     """:func:`blazecore.moe.moe_forward` on validated CuPy views on the current device: y, the dispatch (or one
     per chunk), then :func:`forward`. Returns (y as the allocator gave it, :class:`MoESaved`)."""
     dev = x.device.id
@@ -787,7 +785,7 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
         else:
             chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
             ab, extra = forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2, y.view, s,
-                                weight_layout)
+                                weight_layout, act_in_operand)
     saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
                      chunks=chunking[0], block_tokens=chunking[1], weight_layout=weight_layout,
                      chunk_dispatches=chunk_disp if len(bounds) > 1 else ())

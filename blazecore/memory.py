@@ -97,7 +97,8 @@ def _check(L, d, h, E, K, checkpoint, activation) -> tuple:
 
 @lru_cache(maxsize=4096)
 def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation: str, checkpoint: str, chunks: int,
-             bias: tuple, block_tokens: int, arch: str, retain: bool, round_bytes: int) -> MemoryTrace:
+             bias: tuple, block_tokens: int, arch: str, retain: bool, round_bytes: int,
+             act_in_operand: bool = False) -> MemoryTrace:
     """Forward + backward of the layer's GPU path with placeholders for the inputs, under a recording allocator."""
     gated = activation_info(activation)
     R = 2 * h if gated else h
@@ -113,7 +114,7 @@ def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation
     sz = Sizes(L, d, h, R, E, K, dtype, gated)
     with _array.dry_run(arch, round_bytes) as run:
         y, saved = _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, None, None,
-                                          None, (chunks, block_tokens))
+                                          None, (chunks, block_tokens), act_in_operand=act_in_operand)
         forward_peak = run.peak
         forward_events = len(run.events)
         held = run.live - run.rounded(y.nbytes)  # the dispatch and the saved pre-activations
@@ -130,7 +131,7 @@ def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation
 def moe_memory_trace(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                      checkpoint: str = "ab", chunks: int = 1, bias: tuple[bool, bool] = (False, False),
                      block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-                     round_bytes: int = _ROUND) -> MemoryTrace:
+                     round_bytes: int = _ROUND, act_in_operand: bool = False) -> MemoryTrace:
     """:func:`moe_memory` with the allocation events behind it, sizes rounded up to ``round_bytes`` (512: the pools'
     blocks, as :func:`moe_memory`; 1: the bytes asked for, as torch's ``requested_bytes`` statistic counts them)."""
     L, d, h, E, K, _ = _check(L, d, h, E, K, checkpoint, activation)
@@ -139,12 +140,14 @@ def moe_memory_trace(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16"
         raise ValueError(f"round_bytes must be an int >= 1, got {round_bytes!r}")
     chunk_bounds(L, chunks, block_tokens)  # validates chunks and block_tokens
     return _dry_run(L, d, h, E, K, dt, activation, checkpoint, int(chunks), (bool(bias[0]), bool(bias[1])),
-                    int(block_tokens), "sm_90a" if sm90 else "sm_80", bool(retain), int(round_bytes))
+                    int(block_tokens), "sm_90a" if sm90 else "sm_80", bool(retain), int(round_bytes),
+                    bool(act_in_operand))
 
 
 def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                checkpoint: str = "ab", chunks: int = 1, bias: tuple[bool, bool] = (False, False),
-               block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False) -> MemoryEstimate:
+               block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
+               act_in_operand: bool = False) -> MemoryEstimate:
     """Predicted peak and held bytes of one GPU forward + backward of the layer beyond its inputs.
 
     Runs the layer's GPU path dry (see the module's docstring): no GPU, CuPy device or compiler is needed.
@@ -160,13 +163,15 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
             mma.sync ones; only the small per-slot partial sums and the chunk carry depend on it.
         retain: the backward keeps the saved pre-activations (``retain=True``, e.g. the PyTorch adapter), so
             under "ab" dz takes its own buffer instead of overwriting them.
+        act_in_operand: as ``moe_forward`` (with sm90 and "ab": no (L*K, h) activations in the forward).
 
     Raises:
         ValueError: an unknown policy or activation, sizes < 1 (L < 0), K > E, chunks or block_tokens < 1.
         TypeError: a dtype other than bfloat16, float16, float32.
     """
     return moe_memory_trace(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
-                            bias=bias, block_tokens=block_tokens, sm90=sm90, retain=retain).estimate
+                            bias=bias, block_tokens=block_tokens, sm90=sm90, retain=retain,
+                            act_in_operand=act_in_operand).estimate
 
 
 @dataclass(frozen=True)
@@ -209,7 +214,8 @@ def _budget_bytes(budget, device, free_bytes=None) -> int:
 def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                 checkpoint: str | None = "ab", budget=None, bias: tuple[bool, bool] = (False, False),
                 block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-                device: int | None = None, free_bytes=None, reserved: int = 0) -> ChunkPlan:
+                device: int | None = None, free_bytes=None, reserved: int = 0,
+                act_in_operand: bool = False) -> ChunkPlan:
     """The smallest chunk count whose predicted peak (:func:`moe_memory`) fits ``budget``.
 
     Args:
@@ -237,7 +243,7 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
                 continue
             seen.add(n_run)
             est = moe_memory(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=pol, chunks=c, bias=bias,
-                             block_tokens=block_tokens, sm90=sm90, retain=retain)
+                             block_tokens=block_tokens, sm90=sm90, retain=retain, act_in_operand=act_in_operand)
             if est.peak_bytes <= want:
                 return ChunkPlan(c, pol, est, want, True)
             if best is None or est.peak_bytes < best[1].peak_bytes:

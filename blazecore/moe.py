@@ -220,7 +220,8 @@ def _intake_backward(dy, saved):
 
 def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab",
                 b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False,
-                chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None, weight_layout: str = "out_in"):
+                chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None, weight_layout: str = "out_in",
+                act_in_operand: bool = False):
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
@@ -261,6 +262,13 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             "in_out": the transposes, w13 (E, d, R) and w2 (E, h, d), read as stored (no copy); the backward's
             dw13 and dw2 then come in that layout too. On the GPU, "in_out" and interleaved activations run on
             the mma.sync kernels (the sm_90a wgmma kernels read the "out_in" [gate; up] layout only).
+        act_in_operand: checkpoint "ab" on the sm_90a kernels: the second GEMM reads the saved pre-activations z
+            and applies the activation to its operand tiles in registers, so the forward never holds the
+            (L*K, h) activations (its peak is y, z and the per-slot output rows). The same bits of y; slower,
+            because the activation is recomputed for every 256 output columns (a few percent of the layer on
+            wide d). Ignored elsewhere. For callers whose buffers all live through the whole call (JAX: XLA
+            allocates a computation's outputs before it starts), where the forward's transients add to the
+            backward's.
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -290,14 +298,15 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         if gpu:
             chunks = plan_chunks(sz.L, sz.d, sz.h, sz.E, sz.K, dtype=sz.dtype, activation=activation,
                                  checkpoint=checkpoint, budget=memory_budget, bias=(b13 is not None, b2 is not None),
-                                 block_tokens=block_tokens, device=x.device.id).chunks
+                                 block_tokens=block_tokens, device=x.device.id,
+                                 act_in_operand=act_in_operand).chunks
         else:
             chunks = 1
     _check_chunking(chunks, block_tokens)
     chunking = (int(chunks), int(block_tokens))
     if gpu:
         return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream,
-                            chunking, weight_layout)
+                            chunking, weight_layout, bool(act_in_operand))
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
     y, saved = _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking,
@@ -412,10 +421,10 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
 
 
 def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream,
-                 chunking, weight_layout):
+                 chunking, weight_layout, act_in_operand=False):
     with _array.device_scope(x.device.id):
         return _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out,
-                                      stream, chunking, weight_layout=weight_layout)
+                                      stream, chunking, weight_layout=weight_layout, act_in_operand=act_in_operand)
 
 
 def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:

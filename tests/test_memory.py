@@ -116,17 +116,18 @@ def test_cpu_chunked_matches_unchunked_and_ab_layout():
 OLMOE = dict(d=2048, h=1024, E=64, K=8)
 
 
+@pytest.mark.parametrize("act_in_operand", [False, True], ids=["hcur", "act_in_operand"])
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])
-def test_model_terms(checkpoint, sm90):
-    """Closed-form check of the unchunked model for a shape whose buffers are all 512-byte multiples. On sm_90a,
-    "ab"'s second GEMM activates z in registers: no hcur (L*K, h) in the forward."""
+def test_model_terms(checkpoint, sm90, act_in_operand):
+    """Closed-form check of the unchunked model for a shape whose buffers are all 512-byte multiples. On sm_90a
+    with act_in_operand, "ab"'s second GEMM activates z in registers: no hcur (L*K, h) in the forward."""
     L, (d, h, E, K) = 4096, OLMOE.values()
-    est = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint, sm90=sm90)
+    est = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint, sm90=sm90, act_in_operand=act_in_operand)
     b, LK = 2, L * K
     z = LK * 2 * h * b if checkpoint == "ab" else 0
     disp = 512 + 3 * 4 * LK
-    hcur = 0 if checkpoint == "ab" and sm90 else LK * h * b
+    hcur = 0 if checkpoint == "ab" and sm90 and act_in_operand else LK * h * b
     fwd = L * d * b + disp + z + 512 + hcur + LK * (d // 2) * b  # o: two column slices of 1024 (d = 2048)
     grads = L * d * b + E * 2 * h * d * b + E * d * h * b + 4 * L * K
     zc = LK * 2 * h * b if checkpoint == "none" else 0
@@ -162,9 +163,12 @@ def test_model_terms_wide_h(checkpoint):
     assert est.held_bytes == disp + z
     assert est.peak_bytes == y + disp + z + grads + 512 + transient
     # forward: "none" runs per column slice of h (hcur's slice, the per-slot rows of a 1024-wide slice of y, y's
-    # fp32 sum); "ab" keeps z, and its second GEMM reads z (no hcur)
-    fwd_transient = LK * w * b + LK * wd * b + 4 * L * d if checkpoint == "none" else LK * wd * b
+    # fp32 sum); "ab" keeps z beside hcur, or (act_in_operand) its second GEMM reads z and there is no hcur
+    fwd_transient = LK * w * b + LK * wd * b + 4 * L * d if checkpoint == "none" else LK * h * b + LK * wd * b
     assert est.forward_peak_bytes - (y + disp + z + 512 + fwd_transient) in range(0, 4 * (64 * E + E) + 513)
+    if checkpoint == "ab":
+        lean = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint, act_in_operand=True)
+        assert est.forward_peak_bytes - lean.forward_peak_bytes == LK * h * b
     grad_shapes = {(L, d), (E, 2 * h, d), (E, d, h), (L, K)}
     backward = [ev for ev in trace.events[trace.forward_events:] if ev[0] == "alloc" and ev[2] not in grad_shapes]
     assert max(ev[1] for ev in backward) == (4 * L * d if checkpoint == "none" else LK * w * b)

@@ -995,10 +995,11 @@ def test_gpu_stream_argument():
 @pytest.mark.parametrize("dname", [pytest.param(k, id=k) for k in ("bf16", "f16")])
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES
                                   if c.name in ("L63", "empty_experts", "tiles", "wide_d")])
-def test_fused_activation_operand_gpu(case, dname, activation, monkeypatch):
-    """sm_90a, checkpoint "ab": the second GEMM reads z and activates its A fragments in registers (hcur is never
-    stored). y has the bits of the unfused forward (hcur stored by the first GEMM's epilogue from z as stored, then
-    read by the plain second GEMM), and the forward holds no (L*K, h) buffer."""
+def test_fused_activation_operand_gpu(case, dname, activation):
+    """sm_90a, checkpoint "ab", act_in_operand: the second GEMM reads z and activates its A fragments in registers
+    (hcur is never stored). y and the gradients have the bits of the default forward (hcur stored by the first
+    GEMM's epilogue from z as stored, then read by the plain second GEMM), and the forward holds no (L*K, h) buffer
+    but z itself (non-gated: z is (L*K, h))."""
     from blazecore import _moe_gpu, memory
 
     inp = _inputs(case, dname, activation, True)
@@ -1006,16 +1007,15 @@ def test_fused_activation_operand_gpu(case, dname, activation, monkeypatch):
     kern = _moe_gpu._Kernels(DTYPES[dname], activation)
     if not kern.sm90:
         pytest.skip("the fused operand is an sm_90a kernel")
-    y_fused, _, g_fused = _run(dev, activation, "ab")
-    with monkeypatch.context() as m:
-        m.setattr(_moe_gpu, "FUSED_ACT_A", False)
-        y_plain, _, g_plain = _run(dev, activation, "ab")
+    y_fused, _, g_fused = _run(dev, activation, "ab", act_in_operand=True)
+    y_plain, _, g_plain = _run(dev, activation, "ab")
     assert _bytes(y_fused) == _bytes(y_plain), "y"
     for key in GRAD_KEYS:
         assert _bytes(getattr(g_fused, key)) == _bytes(getattr(g_plain, key)), key
     exp = _expected(case, dname, activation, True, "gpu")
     _check_against(y_fused, g_fused, inp, exp, TOL[DTYPES[dname]], "fused: ")
     L, K, h = case.L, case.K, case.h
-    trace = memory.moe_memory_trace(L, case.d, h, case.E, K, dtype=DTYPES[dname], activation=activation)
-    fwd = [ev for ev in trace.events[:trace.forward_events] if ev[0] == "alloc"]
-    assert (L * K, h) not in [ev[2] for ev in fwd]
+    trace = memory.moe_memory_trace(L, case.d, h, case.E, K, dtype=DTYPES[dname], activation=activation,
+                                    act_in_operand=True)
+    fwd = [ev[2] for ev in trace.events[:trace.forward_events] if ev[0] == "alloc"]
+    assert fwd.count((L * K, h)) == (0 if moe.activation_info(activation) else 1)

@@ -29,6 +29,11 @@ Where the buffers go:
   (device-to-device, asynchronous); workspaces come from CuPy's pool too, so set
   XLA_PYTHON_CLIENT_PREALLOCATE=false when the GPU path runs.
 
+The forward runs with ``act_in_operand=True`` (``blazecore.moe_forward``): XLA allocates a computation's outputs
+(the gradients among them) before it starts, so every transient of the forward adds to what the backward holds;
+on the sm_90a kernels under "ab" the forward then holds no (L*K, h) activations (the second GEMM activates the
+saved pre-activations in registers).
+
 Saved state: a custom_vjp residual must be arrays, so the FFN forward returns ``ab`` (the (L*K, R)
 pre-activations in x's dtype, expert-slot order, under checkpoint "ab"; a (0, R) placeholder under
 "none") and the backward rebuilds a ``blazecore.MoESaved`` from the residuals. As in the core, the backward
@@ -482,7 +487,7 @@ def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation,
             y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
                                              checkpoint=checkpoint, b13=v(b13), b2=v(b2),
                                              dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream,
-                                             chunks=chunks)
+                                             chunks=chunks, act_in_operand=True)
         if ab_view is not None:
             v.put(ab_view, saved.ab)
 

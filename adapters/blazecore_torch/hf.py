@@ -34,7 +34,8 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from . import ops
 
-__all__ = ["BACKEND_NAME", "DEFAULT_CHECKPOINT", "KNOWN_GATES", "blazecore_experts_forward", "experts_activation", "register", "unsupported"]
+__all__ = ["BACKEND_NAME", "DEFAULT_CHECKPOINT", "KNOWN_GATES", "blazecore_experts_forward", "experts_activation",
+           "register", "unsupported"]
 
 BACKEND_NAME = "blazecore"
 DEFAULT_CHECKPOINT = "none"  # the policy when config.blazecore_checkpoint is not set (see the module docstring)
