@@ -162,10 +162,12 @@ def _stored(w13, w2, b13, interleaved: bool, layout: str):
 
 
 def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swiglu", "gelu"), layout="out_in",
-           interleaved=False):
+           interleaved=False, act_in_operand=False):
     os.environ["BLAZECORE_SM90"] = "1" if sm90 else "0"
     rng = np.random.default_rng(2)
     kw = {"chunks": chunks, "block_tokens": 32} if chunks > 1 else {}
+    if act_in_operand:
+        kw["act_in_operand"] = True
     for L, d, h, E, K, empty, skew in shapes:
         for dt in dtypes:
             for activation in activations:
@@ -231,6 +233,12 @@ def moe_layouts():
     for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):
         _layer(False, (BF16, np.float32), shapes=[SHAPES[0], SHAPES[4]],
                activations=("swiglu_oai",) if interleaved else ("gelu",), layout=layout, interleaved=interleaved)
+
+
+@case
+def moe_act_operand():
+    # sm_90a, "ab": the second GEMM reads z and activates its A fragments in registers (gated: two A tiles a stage)
+    _layer(True, (BF16, np.float16), activations=("swiglu", "gelu"), act_in_operand=True)
 
 
 @case
