@@ -587,6 +587,7 @@ def test_gpu_hf_backend_memory_counted_by_torch():
     cfg = transformers.OlmoeConfig(vocab_size=64, hidden_size=d, intermediate_size=h, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=4, num_experts=E, num_experts_per_tok=K,
                                    max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.blazecore_checkpoint = "ab"  # the policy that keeps the pre-activations (the default is "none")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=hf.BACKEND_NAME)
     model = model.to("cuda", torch.bfloat16)

@@ -421,6 +421,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
     wgmma_wait<INFLIGHT>();  // the k-tile before this one is done (INFLIGHT 1): its stage can be refilled
     fence_regs(acc);
     if constexpr (INFLIGHT == 0) {
+      __syncwarp();  // the warp's own reads of the stage (ldmatrix) come before lane 0 releases it
       if ((t & 31) == 0) mbar_arrive(empty0 + 8 * stage);
     } else {
       if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
