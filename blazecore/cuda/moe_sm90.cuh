@@ -421,8 +421,9 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
     wgmma_wait<INFLIGHT>();  // the k-tile before this one is done (INFLIGHT 1): its stage can be refilled
     fence_regs(acc);
     if constexpr (INFLIGHT == 0) {
-      __syncwarp();  // the warp's own reads of the stage (ldmatrix) come before lane 0 releases it
-      if ((t & 31) == 0) mbar_arrive(empty0 + 8 * stage);
+      // every consumer thread read the stage itself (ldmatrix), so each releases it: the empty barrier counts
+      // 128 * CONSUMER_WGS arrivals for these kernels
+      mbar_arrive(empty0 + 8 * stage);
     } else {
       if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
     }
@@ -523,7 +524,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     for (int s = 0; s < STAGES; ++s) {
       // one arrival per producer thread (cp.async), + the B_TMA issuing thread's expect_tx arrival
       sm90::mbar_init(full0 + 8 * s, 128 + (B_TMA ? 1 : 0));
-      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
+      // one arrival per consumer warp; A_ACT: per consumer thread (each reads the stage with ldmatrix)
+      sm90::mbar_init(empty0 + 8 * s, (A_ACT ? 128 : 4) * sm90::CONSUMER_WGS);
     }
     sm90::mbar_init(epi_done, 4 * sm90::CONSUMER_WGS);
 #pragma unroll
