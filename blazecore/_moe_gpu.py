@@ -264,6 +264,22 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
     )
 
 
+def _acc_mode(i: int, n: int) -> int:
+    """moe_combine's acc_mode for part i of n summed into one fp32 buffer: 1 the first, 3 the last (rounded into
+    the output), else 2; 0 when there is a single part (it goes straight to the output)."""
+    return 0 if n == 1 else 1 if i == 0 else 3 if i == n - 1 else 2
+
+
+def _combine(kern, rows, disp, K, out, d, stream, acc=None, mode=0):
+    """out[t] (+)= sum_k rows[pair_slot[t, k]] in a fixed order (moe_combine): rows (L*K, w) per-slot rows, out an
+    (L, >= w) view with row stride d; with ``acc`` an fp32 (L, >= w) view summed into as ``mode`` says
+    (_acc_mode)."""
+    w = rows.shape[1]
+    kern.fn(f"blz::moe_combine<{kern.ct}>")((out.shape[0],), (128,),
+                                            (rows, disp.pair_slot, np.int32(K), np.int32(w), out, np.int64(d),
+                                             _NULL if acc is None else acc, np.int32(mode)), stream=stream)
+
+
 def _tile_offsets(kern, disp, E, stream):
     t = _array.empty_gpu((E + 1,), np.int32).view
     kern.fn("blz::moe_tile_offsets")((1,), (1024,), (disp.expert_offsets, np.int32(E), np.int32(BM), t), stream=stream)
@@ -358,10 +374,7 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_
                      bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
         if i == len(sl) - 1:
             del a
-        kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
-                                                (rows, disp.pair_slot, np.int32(K), np.int32(w), y[:, c0:],
-                                                 np.int64(d), _NULL, np.int32(0)),
-                                                stream=stream)
+        _combine(kern, rows, disp, K, y[:, c0:], d, stream)
 
 
 def _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream):
@@ -381,8 +394,7 @@ def _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, s
         w = c1 - c0
         hs = hbuf[:LK * w].reshape(LK, w)
         _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hs, None, stream, c0=c0, w=w)
-        # moe_combine's acc_mode: 1 the first slice's rows, 3 the last's (rounded into y), else 2; 0: a single one
-        mode = 0 if len(slices) == 1 else 1 if si == 0 else 3 if si == len(slices) - 1 else 2
+        mode = _acc_mode(si, len(slices))
         for e0, e1 in sl:
             we = e1 - e0
             rows = obuf[:LK * we].reshape(LK, we)
@@ -391,10 +403,7 @@ def _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, s
                          B=w2[:, c0:, e0:] if kern.t else w2[:, e0:, c0:], ldb=d if kern.t else h, b_estride=d * h,
                          disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=w, out=rows, ldo=we,
                          bias=None if b2 is None or si > 0 else b2[:, e0:], bias_estride=d, gates=gates, topk=K)
-            kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
-                                                    (rows, disp.pair_slot, np.int32(K), np.int32(we), y[:, e0:],
-                                                     np.int64(d), acc[:, e0:], np.int32(mode)),
-                                                    stream=stream)
+            _combine(kern, rows, disp, K, y[:, e0:], d, stream, acc[:, e0:], mode)
     del hbuf, obuf, acc
 
 
@@ -560,10 +569,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2,
                      B=w13[:, c0:] if kern.t else w13[:, :, c0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
                      disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=H2, out=rows, ldo=w)
-        kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
-                                                (rows, disp.pair_slot, np.int32(K), np.int32(w), dx[:, c0:],
-                                                 np.int64(d), _NULL, np.int32(0)),
-                                                stream=stream)
+        _combine(kern, rows, disp, K, dx[:, c0:], d, stream)
     del dz, dxs
 
 
@@ -671,8 +677,7 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
     acc = _array.empty_gpu((L, d), np.float32).view  # dx's fp32 sum over the slices
     dxl = dx_slices(d, wmax, lean=True)
     dxs = _array.empty_gpu((LK * max(e1 - e0 for e0, e1 in dxl),), dt).view
-    # each (slice, part) adds its per-slot rows to acc: mode 1 the first, 3 the last (rounded into dx), else 2
-    # (moe_combine's acc_mode; 0: a single one goes straight to dx)
+    # each (slice, part) adds its per-slot rows to acc (_acc_mode), the last one rounded into dx
     steps = [(c0, c1, p) for c0, c1 in slices for p in range(len(_z_parts(c0, c1 - c0, h, gated, kern.interleaved)))]
     for si, (c0, c1) in enumerate(slices):
         w = c1 - c0
@@ -690,7 +695,7 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
             step = steps.index((c0, c1, p))
             _dw13_part(kern, z, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, step, flags)
             dzp = z[:, zc:]
-            mode = 0 if len(steps) == 1 else 1 if step == 0 else 3 if step == len(steps) - 1 else 2
+            mode = _acc_mode(step, len(steps))
             for e0, e1 in dxl:
                 we = e1 - e0
                 rows = dxs[:LK * we].reshape(LK, we)
@@ -699,10 +704,7 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
                              B=w13[:, e0:, row0:] if kern.t else w13[:, row0:, e0:], ldb=H2 if kern.t else d,
                              b_estride=H2 * d, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=pw,
                              out=rows, ldo=we)
-                kern.fn(f"blz::moe_combine<{kern.ct}>")((L,), (128,),
-                                                        (rows, disp.pair_slot, np.int32(K), np.int32(we),
-                                                         dx[:, e0:], np.int64(d), acc[:, e0:], np.int32(mode)),
-                                                        stream=stream)
+                _combine(kern, rows, disp, K, dx[:, e0:], d, stream, acc[:, e0:], mode)
     del zbuf, hgbuf, acc, dxs
     _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
     del part

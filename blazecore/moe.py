@@ -283,6 +283,8 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         FloatingPointError: (check_finite=True) an input holds NaN or inf.
     """
     caller = x
+    if not isinstance(act_in_operand, (bool, np.bool_)):
+        raise TypeError(f"act_in_operand must be a bool, got {type(act_in_operand).__name__}")
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2, weight_layout)
     if isinstance(dispatch, Dispatch):  # its arrays as the intake's views (a CPU one may hold torch tensors)

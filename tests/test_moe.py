@@ -1019,3 +1019,10 @@ def test_fused_activation_operand_gpu(case, dname, activation):
                                     act_in_operand=True)
     fwd = [ev[2] for ev in trace.events[:trace.forward_events] if ev[0] == "alloc"]
     assert fwd.count((L * K, h)) == (0 if moe.activation_info(activation) else 1)
+
+
+def test_act_in_operand_must_be_bool():
+    case = next(c for c in CASES if c.name == "L63")
+    inp = _inputs(case, "f32", "swiglu", False)
+    with pytest.raises(TypeError, match="act_in_operand must be a bool"):
+        moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], act_in_operand="yes")
