@@ -40,13 +40,20 @@ the worker, each side runs one warm-up call (kernels compiled and loaded) and th
   block counted from when it is handed out until its last reference goes, in the pool's rounded sizes (what
   ``used_bytes`` counts), on every thread (XLA runs the buffer callbacks on threads of its own). The JSON
   keeps ``blazecore.moe_memory``'s prediction of the core's peak beside it (core_predicted_peak_bytes).
-* XLA: ``device.memory_stats()`` of the default BFC allocator (XLA_PYTHON_CLIENT_ALLOCATOR=bfc in the worker;
-  "platform" has no peak): peak_bytes_in_use after the call minus bytes_in_use before it. The jitted function
-  is compiled before any input is on the device, so compiling cannot have set that peak (the worker checks).
-  XLA allocates an execution's outputs and temporaries when it starts, so its bytes in use stay put while the
-  callbacks run (jax_xla_in_callbacks_bytes: the least and the most read there), and CuPy holds nothing
-  between callbacks (jax_cupy_after_bytes): the peak of the sum is the larger of XLA's peak and the largest
-  (XLA in use + CuPy in use) read at each CuPy allocation.
+* XLA: the bytes its buffer assignment gives the execution (``compiled.memory_analysis()``: outputs plus
+  temporaries, less outputs aliased to inputs; jax_xla_program_bytes). XLA allocates an execution's outputs and
+  temporaries when it starts and holds them to its end, so the callbacks run beside all of them and CuPy holds
+  nothing between callbacks (jax_cupy_after_bytes): jax_peak_bytes = program bytes + CuPy's peak. That is the
+  gated figure: requested sizes, as the core's side counts them.
+* The same call as XLA's default BFC allocator counts it, beside it (jax_bfc_peak_bytes, bfc_peak_ratio; not
+  gated): ``device.memory_stats()`` (XLA_PYTHON_CLIENT_ALLOCATOR=bfc in the worker; "platform" has no peak),
+  peak_bytes_in_use after the call minus bytes_in_use before it, or the largest (XLA in use + CuPy in use) read
+  at a CuPy allocation when larger. The jitted function is compiled before any input is on the device, so
+  compiling cannot have set that peak (the worker checks); XLA's bytes in use stay put while the callbacks run
+  (jax_xla_in_callbacks_bytes: the least and the most read there). BFC hands out a free chunk whole when it is
+  less than twice the request (and not 128 MiB larger), so after the warm-up call a 96 MiB buffer can occupy
+  a 128 MiB chunk: this figure exceeds the program's bytes by such remainders, which depend on the allocator's
+  history, not on the layer.
 
 The outputs of both are compared before timing (relative norm error under 1e-2 for each of y, dx, dw13, dw2,
 dgates; they are expected to be identical, which the JSON records). The script exits 1 when a check, a gated
@@ -422,6 +429,18 @@ def core_memory(bc, host, E, policy, args) -> dict:
     return {"core_peak_bytes": t.peak, "core_grad_bytes": grad_bytes, "core_untracked_bytes": untracked}
 
 
+def _xla_program_bytes(compiled):
+    """Bytes XLA's buffer assignment gives one execution of ``compiled``: outputs plus temporaries, less the outputs
+    that alias inputs (None where this JAX build has no memory analysis)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if ma is None:
+        return None
+    return int(ma.output_size_in_bytes) + int(ma.temp_size_in_bytes) - int(ma.alias_size_in_bytes)
+
+
 def jax_memory(jax, jdev, bj, host, E, policy, args) -> dict:
     """The jitted call's peak, beyond its inputs: XLA's allocator and CuPy's pool together (module docstring)."""
     jx = JaxRun(jax, bj, None, E, policy)
@@ -456,12 +475,19 @@ def jax_memory(jax, jdev, bj, host, E, policy, args) -> dict:
                            "the device: it says nothing of the call")
     xla_peak = after["peak_bytes_in_use"] - base
     cupy_after = t.live  # blocks the call took and still holds (expected 0): counted at XLA's peak too
-    peak = xla_peak + cupy_after
+    bfc_peak = xla_peak + cupy_after
     if t.peak_with_other is not None:
-        peak = max(peak, t.peak_with_other - base)
+        bfc_peak = max(bfc_peak, t.peak_with_other - base)
+    program = _xla_program_bytes(jx.fn)
     lo, hi = t.other_range or (None, None)
     res = {
-        "jax_peak_bytes": peak,
+        # what the call allocates: XLA's buffers (outputs and temporaries, held through the whole execution) plus
+        # the most CuPy held at once inside the callbacks
+        "jax_peak_bytes": None if program is None else program + max(t.peak, cupy_after),
+        "jax_xla_program_bytes": program,
+        # the same call as XLA's BFC allocator counts it: chunks it handed out, larger than asked where it did not
+        # split a free chunk (less than twice the request); depends on what the allocator held before
+        "jax_bfc_peak_bytes": bfc_peak,
         "jax_grad_bytes": _nbytes(out, GRADS),
         "jax_xla_peak_bytes": xla_peak,  # XLA's allocator alone
         "jax_cupy_peak_bytes": t.peak,  # CuPy's pool alone (the core's workspaces in the callbacks)
@@ -557,6 +583,8 @@ def memory_figures(m: dict, max_peak_ratio: float) -> dict:
     cb, jb = row["core_peak_beyond_grads_bytes"], row["jax_peak_beyond_grads_bytes"]
     row["peak_ratio"] = jb / cb if cb and jb is not None else None
     row["peak_ok"] = row["peak_ratio"] <= max_peak_ratio if row["peak_ratio"] is not None else None
+    bfc = m.get("jax_bfc_peak_bytes")
+    row["bfc_peak_ratio"] = (bfc - jg) / cb if cb and bfc is not None and jg is not None else None  # not gated
     return row
 
 
@@ -658,6 +686,7 @@ TABLE = [
     ("core peak-grads MiB", _mib("core_peak_beyond_grads_bytes"), ".0f"),
     ("jax peak-grads MiB", _mib("jax_peak_beyond_grads_bytes"), ".0f"),
     ("peak ratio", "peak_ratio", ".3f"),
+    ("BFC peak ratio", "bfc_peak_ratio", ".3f"),
     ("check", lambda r: None if r.get("check_ok") is None else
      ("identical" if r.get("identical") else ("ok" if r["check_ok"] else "FAIL")), None),
     ("verdict", lambda r: _verdict(r), None),

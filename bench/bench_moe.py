@@ -534,10 +534,42 @@ def run_group(shape_name, shape, L, impls, checks, weights, args, baselines):
             status, message = _classify(exc, baselines)
             row.update(status=status, message=message)
         _cleanup()
+    _adapter_over_core(rows, impls, p, args)
     del p
     _cleanup()
     _speedups(rows)
     return rows
+
+
+def _adapter_over_core(rows, impls, p, args):
+    """Per policy with both rows measured: the PyTorch adapter's forward+backward time over the core's, timed in
+    alternation (core, adapter, core, ... in one sequence, at least 20 samples each), so the machine's drift between
+    two blocks of repeats does not enter the ratio. Recorded on the moe_ffn row: adapter_over_core and the two
+    medians of that paired sequence."""
+    by_key = {impl.key: (impl, row) for (impl, _), row in zip(impls, rows, strict=True)}
+    for policy in POLICIES:
+        core, adapter = by_key.get(f"blazecore[{policy}]"), by_key.get(f"moe_ffn[{policy}]")
+        if core is None or adapter is None or core[1].get("status") != "ok" or adapter[1].get("status") != "ok":
+            continue
+
+        def step(impl):
+            def fn():
+                y, state = impl.forward(p)
+                impl.backward(p, y, state)
+            return fn
+
+        try:
+            t = common.time_calls({"core": step(core[0]), "adapter": step(adapter[0])}, warmup=args.warmup,
+                                  repeats=max(args.repeats, 20), clock="torch" if DEVICE == "cuda" else "wall")
+        except Exception as exc:  # the rows keep their own figures; only the paired ratio is missing
+            adapter[1]["adapter_over_core_message"] = f"{type(exc).__name__}: {exc}"
+            _cleanup()
+            continue
+        c, a = t["core"], t["adapter"]
+        adapter[1].update(paired_core_fwd_bwd_ms=c.median_ms, paired_adapter_fwd_bwd_ms=a.median_ms,
+                          adapter_over_core=a.median_ms / c.median_ms, paired_core_samples_ms=c.samples_ms,
+                          paired_adapter_samples_ms=a.samples_ms)
+        _cleanup()
 
 
 def find_largest(shape_name, shape, impls, grid_rows, weights, args, baselines):
@@ -619,6 +651,7 @@ TABLE = [
     ("% of gmm", lambda r: None if r.get("peak_beyond_grads_vs_grouped_mm") is None
      else 100 * r["peak_beyond_grads_vs_grouped_mm"], ".1f"),
     ("x vs gmm", "speedup_vs_grouped_mm", ".2f"),
+    ("adapter/core", "adapter_over_core", ".3f"),
     ("note", _note, None),
 ]
 

@@ -32,15 +32,20 @@ def _header_line(h: dict) -> str:
     return f"{h.get('gpu')}, {h.get('date', '')[:10]}, commit {str(h.get('git_commit'))[:12]}, torch {h.get('torch')}"
 
 
+def _ratio(v) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
 def moe_table(doc: dict) -> str:
     rows = [r for r in doc["rows"] if r.get("status") == "ok"]
     gmm = {(r["shape"], r["tokens"]): r for r in rows if r["impl"] == "grouped_mm"}
     out = [f"MoE layer forward+backward, bf16 ({_header_line(doc['header'])}); held/peak relative to grouped_mm "
            "(blazecore[...]: the core; moe_ffn[...]: the PyTorch adapter with autograd; peak - grads: the peak minus "
-           "the returned dx, dw13, dw2, dgates):", "",
+           "the returned dx, dw13, dw2, dgates; adapter / core: moe_ffn's fwd+bwd time over the core's, the two timed "
+           "in alternation):", "",
            "| shape | tokens | impl | fwd+bwd ms | TFLOP/s | x vs grouped_mm | held MiB (%) | peak MiB (%) | "
-           "peak - grads MiB (%) |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "peak - grads MiB (%) | adapter / core |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         g = gmm.get((r["shape"], r["tokens"]))
         held = f"{r['held_bytes'] / 2**20:.0f}" + (f" ({100 * r['held_bytes'] / g['held_bytes']:.1f}%)" if g else "")
@@ -52,7 +57,8 @@ def moe_table(doc: dict) -> str:
                 beyond += f" ({100 * r['peak_beyond_grads_bytes'] / g['peak_beyond_grads_bytes']:.1f}%)"
         sp = r.get("speedup_vs_grouped_mm")
         out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['impl_key']} | {r['fwd_bwd_ms']:.2f} | "
-                   f"{r['fwd_bwd_tflops']:.0f} | {'' if sp is None else f'{sp:.2f}'} | {held} | {peak} | {beyond} |")
+                   f"{r['fwd_bwd_tflops']:.0f} | {'' if sp is None else f'{sp:.2f}'} | {held} | {peak} | {beyond} | "
+                   f"{_ratio(r.get('adapter_over_core'))} |")
     return "\n".join(out)
 
 
@@ -127,14 +133,16 @@ def jax_table(doc: dict) -> str:
 
     out = [f"JAX adapter (jitted forward+backward of blazecore_jax.moe_ffn, routing given) vs the core on CuPy arrays, "
            f"bf16 ({_header_line(h)}, jax {h.get('jax')}); peak - grads: the peak over one call beyond its inputs "
-           "minus the returned dx, dw13, dw2, dgates, each row in a fresh process:", "",
+           "minus the returned dx, dw13, dw2, dgates, each row in a fresh process (jax: XLA's program buffers plus the "
+           "core's peak inside the callbacks; BFC: the same call as XLA's BFC allocator counts it, remainders of "
+           "reused chunks included):", "",
            "| shape | tokens | checkpoint | core ms | jax ms | ratio | jax TFLOP/s | core peak - grads MiB | "
-           "jax peak - grads MiB | peak ratio | outputs |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "jax peak - grads MiB | peak ratio | BFC peak ratio | outputs |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in doc["rows"]:
         if r.get("status") != "ok":
             out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r.get('checkpoint')} | {r.get('status')} "
-                       "| | | | | | | |")
+                       "| | | | | | | | |")
             continue
         same = ("-" if r.get("check_ok") is None else
                 "identical" if r.get("identical") else ("close" if r.get("check_ok") else "DIFFER"))
@@ -142,7 +150,7 @@ def jax_table(doc: dict) -> str:
                    f"{f(r.get('jax_ms'), '.2f')} | {f(r.get('ratio'), '.3f')} | {f(r.get('jax_tflops'), '.0f')} | "
                    f"{f(r.get('core_peak_beyond_grads_bytes'), '.0f', 2**20)} | "
                    f"{f(r.get('jax_peak_beyond_grads_bytes'), '.0f', 2**20)} | {f(r.get('peak_ratio'), '.3f')} | "
-                   f"{same} |")
+                   f"{f(r.get('bfc_peak_ratio'), '.3f')} | {same} |")
     return "\n".join(out)
 
 

@@ -94,33 +94,36 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}{tail}>"
 
 
-def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}>"
+    return (f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}, "
+            f"{b(a_tma)}>")
 
 
 def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
-    ``b_load``: how an M-grouped kernel loads B (one of B_LOADS)."""
+    ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed A of
+    a weight-gradient kernel."""
     mode, _, b_kmajor, epi, act, a_gather, b_gather = v
+    tma = b_load == "tma"
     if which == "gemm2z":
-        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=b_load == "tma", a_act=True)
+        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_act=True)
     if which == "dw2":
         # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
         # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
-        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in)
+        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in, a_tma=tma)
     if mode == MODE_M:
-        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=b_load == "tma")
-    return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in)
+        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma)
+    return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in, a_tma=tma and not a_gather)
 
 
 @functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
 def _module_names90(ct, act):
     variants = _variants(act)
-    names = [_name90(ct, k, v) for k, v in variants.items()]
-    names += [_name90(ct, k, variants[k], b_load="tma") for k in variants if variants[k][0] == MODE_M]
-    return tuple(names + [_name90(ct, k, variants[k], carry_in=True) for k in ("dw2", "dw13")])
+    names = [_name90(ct, k, v, b_load=b_load) for k, v in variants.items() for b_load in B_LOADS]
+    names += [_name90(ct, k, variants[k], carry_in=True, b_load=b_load) for k in ("dw2", "dw13") for b_load in B_LOADS]
+    return tuple(dict.fromkeys(names))
 
 
 def _smem90(bn=BN90, staging=True, a_tiles=1):
@@ -202,13 +205,14 @@ class _Kernels:
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
 
-    def gemm(self, which, carry_in=False):
-        """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant."""
+    def gemm(self, which, carry_in=False, b_load=None):
+        """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant; ``b_load``
+        overrides the kernels' dense-operand load for this launch (sm_90a)."""
         v = self.variants[which]
         if self.sm90:
             names = _module_names90(self.ct, self.act)
             smem = _smem90(staging=which in _M_GROUPED, a_tiles=2 if which == "gemm2z" and self.gated else 1)
-            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, self.b_load),
+            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, b_load or self.b_load),
                                        module_names=names, max_dynamic_smem=smem)
             return fn, smem, NTHREADS90, BN90
         smem = _smem_bytes(self.itemsize, v[1], v[2])
@@ -239,13 +243,29 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
+def _a_map(kern, A, lda, M):
+    """The tensor map of a weight-gradient kernel's slot-indexed A (see moe_wgrad_sm90's tmap_a): 2-D (M, rows of
+    A), box (64, 64); None where A cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride
+    the copy engine cannot take), and the kernel loads it by cp.async."""
+    es = kern.itemsize
+    if kern.b_load != "tma" or _array.dry() is not None or A.data.ptr % 16 or (lda * es) % 16:
+        return None
+    dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
+    return _tma.tiled_map(A.data.ptr, dt, (M, A.shape[0]), (lda * es,), (64, 64))
+
+
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
                  carry_seen=None):
     # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
-    fn, smem, threads, _ = kern.gemm(which, carry_in=carry is not None and bool(flags & 1))
-    extra = ()
+    carry_in = carry is not None and bool(flags & 1)
+    extra, b_load = (), None
+    if kern.sm90 and which not in _M_GROUPED:  # the weight gradients: A (by slot) by TMA where it can go so
+        amap = _a_map(kern, A, lda, M)
+        b_load = "tma" if amap is not None else "cp_async"
+        extra = (_tma.null_map() if amap is None else amap,)  # the kernel's tmap_a
+    fn, smem, threads, _ = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
         up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)

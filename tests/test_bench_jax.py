@@ -189,12 +189,13 @@ def test_report_table_old_and_new_rows():
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert all(" - | - | - |" in line for line in lines[1:])  # that run measured no peaks
     row = _gpu_row(core_ms=10.0, jax_ms=10.5, ratio=1.05, jax_tflops=400.0, memory_status="ok",
-                   core_peak_beyond_grads_bytes=2000 << 20, jax_peak_beyond_grads_bytes=2010 << 20, peak_ratio=1.005)
+                   core_peak_beyond_grads_bytes=2000 << 20, jax_peak_beyond_grads_bytes=2010 << 20, peak_ratio=1.005,
+                   bfc_peak_ratio=1.02)
     mem_only = _gpu_row(shape="mixtral", timed=False, check_ok=None, core_peak_beyond_grads_bytes=100 << 20,
                         jax_peak_beyond_grads_bytes=140 << 20, peak_ratio=1.4)
     table = report.jax_table({"header": old["header"], "rows": [row, mem_only, {**row, "status": "error"}]})
-    assert "| olmoe | 32k | ab | 10.00 | 10.50 | 1.050 | 400 | 2000 | 2010 | 1.005 | identical |" in table
-    assert "| mixtral | 32k | ab | - | - | - | - | 100 | 140 | 1.400 | - |" in table
+    assert "| olmoe | 32k | ab | 10.00 | 10.50 | 1.050 | 400 | 2000 | 2010 | 1.005 | 1.020 | identical |" in table
+    assert "| mixtral | 32k | ab | - | - | - | - | 100 | 140 | 1.400 | - | - |" in table
     assert "| olmoe | 32k | ab | error |" in table
 
 
@@ -208,3 +209,30 @@ def test_memory_worker_gpu_row():
     assert m["core_untracked_bytes"] == 0 and m["jax_untracked_bytes"] == 0 and m["jax_cupy_after_bytes"] == 0
     assert m["jax_peak_bytes"] >= m["jax_xla_peak_bytes"] > 0
     assert m["core_grad_bytes"] == m["jax_grad_bytes"] == _grad_bytes(2048, 256, 128, 8, 2)
+
+
+def test_bfc_peak_ratio_is_recorded_not_gated():
+    m = {"memory_status": "ok", "core_peak_bytes": 3000, "core_grad_bytes": 1000, "jax_peak_bytes": 3000,
+         "jax_bfc_peak_bytes": 3500, "jax_grad_bytes": 1000}
+    row = bench_jax.memory_figures(m, 1.05)
+    assert row["peak_ratio"] == pytest.approx(1.0) and row["peak_ok"]
+    assert row["bfc_peak_ratio"] == pytest.approx(1.25)
+    assert bench_jax._verdict(_gpu_row(**row)) == "pass (time, peak)"
+
+
+def test_xla_program_bytes():
+    class Stats:
+        output_size_in_bytes, temp_size_in_bytes, alias_size_in_bytes = 1000, 300, 200
+
+    class Compiled:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_analysis(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    assert bench_jax._xla_program_bytes(Compiled(Stats())) == 1100  # outputs + temporaries - aliased outputs
+    assert bench_jax._xla_program_bytes(Compiled(None)) is None
+    assert bench_jax._xla_program_bytes(Compiled(NotImplementedError("no analysis"))) is None

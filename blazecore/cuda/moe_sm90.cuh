@@ -404,16 +404,22 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
 // stage / phase: the ring position of the first k-tile, advanced past the last; every stage read is released,
 // so a persistent CTA continues with the next tile's k-tiles.
-template <int STAGES, int R, class F, int INFLIGHT = 1>
+// prep(stage byte offset >> 4, kt), when given, runs after the stage's wait and before the wgmma fence: shared-memory
+// fix-ups of the stage (it orders them before the wgmmas itself).
+struct NoPrep {
+  __device__ __forceinline__ void operator()(unsigned long long, int) const {}
+};
+template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
                                                   int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
-                                                  bool keep_acc = false) {
+                                                  bool keep_acc = false, P&& prep = P()) {
   int prev = 0;
   for (int kt = 0; kt < num_kt; ++kt) {
     mbar_wait(full0 + 8 * stage, phase);
 #if !BLZ_SM90_PRODUCER_FENCE
     fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
 #endif
+    prep(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
     fence_regs(acc);
     wgmma_fence();
     issue(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
@@ -966,7 +972,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 
 // OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
 // wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
-template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false>
+// A_TMA: the slot-indexed A tile comes by TMA (tmap_a: 2-D (M, rows of A), box (64, 64), 128-byte swizzle, zero
+// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so
+// in a reduction tile shorter than 64 slots (an expert's or a token block's last) the rows past it hold the next
+// slots' values: each consumer warpgroup zeroes those rows of its own A atom before its wgmmas read the stage, so
+// every product matches the cp.async path's (which zero-fills them) bit for bit, NaN and Inf included.
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
+          bool A_TMA = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -983,9 +995,11 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     float* __restrict__ part, int part_ld,
     int flags,
     const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
-    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
+    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
+    const __grid_constant__ sm90::TmaMap tmap_a) {                 // A_TMA: the A operand's tensor map
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
   using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
   constexpr int STAGES = C::STAGES;
@@ -1013,7 +1027,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 128);                       // one arrival per producer thread
+      sm90::mbar_init(full0 + 8 * s, 128 + (A_TMA ? 1 : 0));    // one per producer thread (+ A_TMA's expect_tx)
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
   }
@@ -1041,6 +1055,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       return s < tend ? __ldg(slot_token + s) : -1;
     };
     int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
+    if constexpr (A_TMA) {
+      if (tid == 0) sm90::tma_prefetch_map(&tmap_a);
+    }
 
     int stage = 0;
     unsigned phase = 0;
@@ -1053,6 +1070,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+      if constexpr (A_TMA) {
+        // one thread raises the stage's transaction count by the A tile's bytes and issues its two boxes
+        if (tid == 0) {
+          const unsigned bar = full0 + 8 * stage;
+          sm90::mbar_arrive_expect_tx(bar, C::A_BYTES);
+          sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
+          sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
+        }
+      } else {
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPA; ++i) {
         const int rl = RPA * i + ra;  // k-row within the warp's 16
@@ -1066,6 +1092,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         const bool ok = a_cok && row >= 0;
         sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
                            ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
+      }
       }
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPB; ++i) {
@@ -1112,13 +1139,33 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
 
     int stage = 0;
     unsigned phase = 0;
+    // A_TMA: the consumers walk the reduction tiles too, for each tile's length
+    KTileWalk<BK> cwalk(kblocks, e, num_kblocks, slot_lo, slot_lo + (A_TMA ? cnt : 0));
+    auto zero_tail = [&](unsigned long long soff, int) {
+      if constexpr (A_TMA) {
+        const int valid = cwalk.end() - cwalk.t0;
+        cwalk.next();
+        if (valid < BK) {  // rows [valid, 64) of this warpgroup's A atom hold the next slots: zero them
+          const unsigned base = sbase + static_cast<unsigned>(soff << 4) + cw * ATOM_BYTES + valid * ROW_BYTES;
+          for (int i = t; i < (BK - valid) * (ROW_BYTES / 16); i += 128)
+            sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+          sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
+          // the warpgroup's stores all done before any of its wgmmas (one named barrier per warpgroup)
+          if (cw == 0) {
+            asm volatile("bar.sync 2, 128;\n" ::: "memory");
+          } else {
+            asm volatile("bar.sync 3, 128;\n" ::: "memory");
+          }
+        }
+      }
+    };
     sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
                                     [&](unsigned long long soff, int kt) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                carry_in || (kt | ks) != 0);
-    }, carry_in);  // an expert without slots leaves zero accumulators (or the carried sums)
+    }, carry_in, zero_tail);  // an expert without slots leaves zero accumulators (or the carried sums)
     if (flags & 2) {  // partial sums for the next chunk's launch instead of the gradient
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];

@@ -31,8 +31,14 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned byt
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// One box of a 3-D / 4-D tiled tensor map at element coordinates (c0 innermost, ...) into shared memory at dst
+// One box of a 2-D / 3-D / 4-D tiled tensor map at element coordinates (c0 innermost, ...) into shared memory at dst
 // (1024-byte aligned for the 128-byte swizzle); completes `bytes = box size` on the mbarrier bar.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
