@@ -520,6 +520,33 @@ def test_layer_gpu_matches_conventional(dtype, checkpoint):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ("ab", "none"))
+def test_gpu_moe_ffn_builds_dispatch_in_forward(checkpoint):
+    """Eager moe_ffn on CUDA without a dispatch builds and checks it inside the forward's own core call: y and every
+    gradient have the bits of the two-op path (an explicit, validated dispatch); a second backward still raises
+    under "ab"; bad ids are a ValueError before anything is returned."""
+    L, d, h, E, K = 300, 128, 256, 8, 2
+    x, w13, w2, gates, ids, _, b13, b2 = _inputs(L, d, h, E, K, torch.bfloat16, "cuda", bias=True)
+    dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+    leaves = (x, w13, w2, gates, b13, b2)
+    runs = []
+    for disp in (None, ops.build_dispatch(ids, E)):
+        y = ops.moe_ffn(x, w13, w2, gates, ids, checkpoint=checkpoint, b13=b13, b2=b2, dispatch=disp)
+        runs.append((y.detach(), *torch.autograd.grad(y, leaves, dy, retain_graph=True)))
+        if checkpoint == "ab":
+            with pytest.raises(RuntimeError, match="retain_saved=True"):
+                torch.autograd.grad(y, leaves, dy)
+    for a, b, n in zip(*runs, ("y", "dx", "dw13", "dw2", "dgates", "db13", "db2"), strict=True):
+        assert torch.equal(a, b), n
+    with torch.no_grad():
+        assert torch.equal(ops.moe_ffn(x, w13, w2, gates, ids, checkpoint=checkpoint, b13=b13, b2=b2), runs[0][0])
+    bad = ids.clone()
+    bad[5, 1] = E
+    with pytest.raises(ValueError):
+        ops.moe_ffn(x, w13, w2, gates, bad, checkpoint=checkpoint)
+
+
+@pytest.mark.gpu
 def test_gpu_memory_is_torch_owned():
     """Outputs and the saved pre-activations come from torch's caching allocator."""
     L, d, h, E, K = 4096, 256, 512, 8, 2

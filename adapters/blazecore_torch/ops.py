@@ -505,6 +505,39 @@ def _moe_backward(ctx, dy, dab):
 _autograd(_moe_forward_op, "moe_forward", _moe_backward, _moe_setup)
 
 
+# moe_ffn without a dispatch, eager mode on CUDA, one chunk: the core builds and validates the dispatch inside the
+# forward's own call (no operator of its own: torch.compile and export trace build_dispatch + moe_forward). Its one
+# device read (the id check) then comes after the inputs' intake and right before the forward's launches, as in
+# blazecore.moe_forward, instead of between two ops whose host work would leave the GPU idle after it.
+def _moe_forward_with_dispatch(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, retain_saved,
+                               weight_layout):
+    xd, w13d, w2d, gd, b13d, b2d = _detach(x, w13, w2, gates, b13, b2)
+    R = w13.shape[2 if weight_layout == "in_out" else 1]
+    with _core_call(x.device) as stream:
+        y, saved = blazecore.moe_forward(xd, w13d, w2d, gd, expert_ids, activation=activation, checkpoint=checkpoint,
+                                         b13=b13d, b2=b2d, stream=stream, weight_layout=weight_layout)
+        ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
+        d = saved.dispatch
+        return (_to_torch(y), ab, _to_torch(d.expert_offsets), _to_torch(d.slot_token), _to_torch(d.slot_k),
+                _to_torch(d.pair_slot))
+
+
+def _with_dispatch_setup(ctx, inputs, output):
+    x, w13, w2, gates, ids, b13, b2, activation, checkpoint, retain_saved, weight_layout = inputs
+    _moe_setup(ctx, (x, w13, w2, gates, ids, *output[2:], b13, b2, activation, checkpoint, 1, retain_saved,
+                     weight_layout), output[:2])
+    ctx.mark_non_differentiable(*output[1:])  # ab and the dispatch (one call: it replaces the set _moe_setup gave)
+
+
+def _with_dispatch_backward(ctx, dy, dab, *_):
+    g = _moe_backward(ctx, dy, dab)
+    return (*g[:4], None, g[9], g[10], None, None, None, None)
+
+
+_IMPLS["moe_forward_with_dispatch"] = _moe_forward_with_dispatch
+_AUTOGRAD["moe_forward_with_dispatch"] = (_with_dispatch_setup, _with_dispatch_backward)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------
@@ -590,11 +623,18 @@ def moe_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates: torch.T
     Returns:
         y (L, d) in x's dtype, differentiable w.r.t. x, w13, w2, gates, b13, b2.
     """
-    _check_same_device({"x": x, "w13": w13, "w2": w2, "gates": gates, "expert_ids": expert_ids, "b13": b13,
-                        "b2": b2})
+    dev = _check_same_device({"x": x, "w13": w13, "w2": w2, "gates": gates, "expert_ids": expert_ids, "b13": b13,
+                              "b2": b2})
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    if dispatch is None and int(chunks) == 1 and dev.type == "cuda":
+        args = (c(x), c(w13), c(w2), c(gates), c(expert_ids), c(b13), c(b2), activation, checkpoint,
+                bool(retain_saved), weight_layout)
+        if _eager(args):  # the dispatch built (and checked) inside the forward's call
+            if torch.is_grad_enabled():
+                return _EagerOp.apply("moe_forward_with_dispatch", *args)[0]
+            return _moe_forward_with_dispatch(*args)[0]
     if dispatch is None:
         dispatch = build_dispatch(expert_ids, w13.shape[0])
-    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
     y, _ = _run("moe_forward", c(x), c(w13), c(w2), c(gates), c(expert_ids), *dispatch, c(b13), c(b2),
                                            activation, checkpoint, int(chunks), bool(retain_saved), weight_layout)
     return y
