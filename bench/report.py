@@ -41,8 +41,9 @@ def moe_table(doc: dict) -> str:
     gmm = {(r["shape"], r["tokens"]): r for r in rows if r["impl"] == "grouped_mm"}
     out = [f"MoE layer forward+backward, bf16 ({_header_line(doc['header'])}); held/peak relative to grouped_mm "
            "(blazecore[...]: the core; moe_ffn[...]: the PyTorch adapter with autograd; peak - grads: the peak minus "
-           "the returned dx, dw13, dw2, dgates; adapter / core: moe_ffn's fwd+bwd time over the core's, the two timed "
-           "in alternation):", "",
+           "the returned dx, dw13, dw2, dgates" + ("; adapter / core: moe_ffn's fwd+bwd time over the core's, the two "
+                                                   "timed in alternation" if any("adapter_over_core" in r for r in rows)
+                                                   else "") + "):", "",
            "| shape | tokens | impl | fwd+bwd ms | TFLOP/s | x vs grouped_mm | held MiB (%) | peak MiB (%) | "
            "peak - grads MiB (%) | adapter / core |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -133,9 +134,11 @@ def jax_table(doc: dict) -> str:
 
     out = [f"JAX adapter (jitted forward+backward of blazecore_jax.moe_ffn, routing given) vs the core on CuPy arrays, "
            f"bf16 ({_header_line(h)}, jax {h.get('jax')}); peak - grads: the peak over one call beyond its inputs "
-           "minus the returned dx, dw13, dw2, dgates, each row in a fresh process (jax: XLA's program buffers plus the "
-           "core's peak inside the callbacks; BFC: the same call as XLA's BFC allocator counts it, remainders of "
-           "reused chunks included):", "",
+           "minus the returned dx, dw13, dw2, dgates, each row in a fresh process" +
+           (" (jax: XLA's program buffers plus the core's peak inside the callbacks; BFC: the same call as XLA's BFC "
+            "allocator counts it, remainders of reused chunks included)"
+            if any("jax_xla_program_bytes" in r for r in doc["rows"]) else " (as XLA's BFC allocator counts it)") +
+           ":", "",
            "| shape | tokens | checkpoint | core ms | jax ms | ratio | jax TFLOP/s | core peak - grads MiB | "
            "jax peak - grads MiB | peak ratio | BFC peak ratio | outputs |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
