@@ -101,8 +101,13 @@ def compile_cubin(filename: str, name_expressions, arch: str, options=()):
 
     Raises CompileError on any error. Works without a GPU.
     """
-    nvrtc = _nvrtc()
     source, _ = _read_with_headers(filename)
+    return compile_source(source, filename, name_expressions, arch, options)
+
+
+def compile_source(source: str, filename: str, name_expressions, arch: str, options=()):
+    """:func:`compile_cubin` of source text (``filename`` names it in messages; ``cuda/`` is on the include path)."""
+    nvrtc = _nvrtc()
     opts = list(_cupy_include_options()) + [f"-I{CUDA_DIR}", f"-arch={arch}", *_BASE_OPTIONS, *options]
     prog = nvrtc.createProgram(source, filename, [], [])
     try:

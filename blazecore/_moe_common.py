@@ -28,6 +28,14 @@ INTERLEAVED = "_interleaved"
 # How w13 and w2 are stored per expert: "out_in" (E, 2h or h, d) and (E, d, h), as nn.Linear's weight;
 # "in_out" (E, d, 2h or h) and (E, h, d), the transposes (gpt-oss, Llama 4). Gradients come in the same layout.
 WEIGHT_LAYOUTS = ("out_in", "in_out")
+# the expert GEMMs' kernel families on the GPU: "wgmma" (sm_90a, bf16 / fp16 "out_in" weights; elsewhere the
+# layer falls back to mma.sync) and "mma_sync" (every GPU and dtype)
+GEMM_PATHS = ("wgmma", "mma_sync")
+
+
+def check_gemm_path(gemm_path) -> None:
+    if gemm_path is not None and gemm_path not in GEMM_PATHS:
+        raise ValueError(f"gemm_path must be one of {GEMM_PATHS} or None (the default), got {gemm_path!r}")
 
 
 def split_activation(name: str) -> tuple[str, bool]:
@@ -142,6 +150,7 @@ class MoESaved:
     block_tokens: int = BLOCK_TOKENS
     chunk_dispatches: tuple = ()
     weight_layout: str = "out_in"  # how w13 and w2 (and so dw13, dw2) are stored: one of WEIGHT_LAYOUTS
+    gemm_path: str | None = None  # the forward's GEMM_PATHS choice (None: the default), which the backward keeps
 
     def held_bytes(self) -> int:
         """Bytes this record keeps alive beyond the layer's inputs: the dispatch, ``ab`` and ``extra``.

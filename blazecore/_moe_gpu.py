@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from ._moe_common import (
     MoESaved,
     Sizes,
     check_dispatch,
+    check_gemm_path,
     check_gpu_device,
     chunk_bounds,
     grad_outs,
@@ -61,28 +63,59 @@ B_LOADS = ("tma", "cp_async")
 B_LOAD = "tma"
 
 
-def _gemm_name(ct, mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather):
-    b = lambda v: "true" if v else "false"  # noqa: E731
-    return f"blz::moe_gemm<{ct}, {mode}, {b(a_kmajor)}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {b(b_gather)}>"
+@dataclass(frozen=True)
+class GemmSpec:
+    """What one expert GEMM computes, as the kernels' template arguments: ``mode`` MODE_M (M-grouped: gathered or
+    slot rows per expert) or MODE_K (K-grouped weight gradients); whether A and B are K-major; the epilogue (EPI_*)
+    and its activation id; whether A's and B's rows are gathered through slot_token."""
+
+    mode: int
+    a_kmajor: bool
+    b_kmajor: bool
+    epi: int
+    act: int
+    a_gather: bool
+    b_gather: bool
 
 
-def _variants(act, t=False):
-    """name -> (mode, a_kmajor, b_kmajor, epi, act, a_gather, b_gather) for one (dtype, activation, weight layout);
-    ``t``: weights stored "in_out" (w13 (E, d, R), w2 (E, h, d)), which flips B's major-ness of the M-grouped GEMMs
-    and swaps the operands of the weight gradients (dw13^T = x_g^T dz, dw2^T = (g hcur)^T dy_g)."""
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel and what its launch must match: the name expression (in ``file``), threads per CTA, the
+    output tile (bm x bn), pipeline stages and dynamic shared memory. tests/test_kernel_config.py checks the sizes
+    against the CUDA sources' constants."""
+
+    file: str
+    name: str
+    threads: int
+    bm: int
+    bn: int
+    stages: int
+    smem: int
+
+
+def _gemm_name(ct, v: GemmSpec):
+    b = lambda x: "true" if x else "false"  # noqa: E731
+    return (f"blz::moe_gemm<{ct}, {v.mode}, {b(v.a_kmajor)}, {b(v.b_kmajor)}, {v.epi}, {v.act}, {b(v.a_gather)}, "
+            f"{b(v.b_gather)}>")
+
+
+def _variants(act, t=False) -> dict[str, GemmSpec]:
+    """The GEMMs of one (activation, weight layout) by role; ``t``: weights stored "in_out" (w13 (E, d, R), w2 (E, h,
+    d)), which flips B's major-ness of the M-grouped GEMMs and swaps the operands of the weight gradients (dw13^T =
+    x_g^T dz, dw2^T = (g hcur)^T dy_g)."""
     return {
-        "gemm1": (MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
-        "gemm2": (MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
-        "gemm2z": (MODE_M, True, not t, EPI_ROWSCALE, act, False, False),  # the same from z (sm_90a: A_ACT)
-        "dhcur": (MODE_M, True, t, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
-        "dx": (MODE_M, True, t, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
-        "dw2": (MODE_K, False, False, EPI_WGRAD, 0, not t, t),  # dw2 = dy_g^T (g hcur)
-        "dw13": (MODE_K, False, False, EPI_WGRAD, 0, t, not t),  # dw13 = dz^T x_g
+        "gemm1": GemmSpec(MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
+        "gemm2": GemmSpec(MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
+        "gemm2z": GemmSpec(MODE_M, True, not t, EPI_ROWSCALE, act, False, False),  # the same from z (sm_90a: A_ACT)
+        "dhcur": GemmSpec(MODE_M, True, t, EPI_DHCUR, act, True, False),  # dh' = dy_g w2; act backward
+        "dx": GemmSpec(MODE_M, True, t, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
+        "dw2": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, not t, t),  # dw2 = dy_g^T (g hcur)
+        "dw13": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, t, not t),  # dw13 = dz^T x_g
     }
 
 
 def _module_names(ct, act, t=False):
-    names = [_gemm_name(ct, *v) for k, v in _variants(act, t).items() if k not in _SM90_ONLY]
+    names = [_gemm_name(ct, v) for k, v in _variants(act, t).items() if k not in _SM90_ONLY]
     names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
               "blz::moe_block_starts", "blz::moe_mark_seen"]
     return names
@@ -105,7 +138,7 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
     ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed A of
     a weight-gradient kernel."""
-    mode, _, b_kmajor, epi, act, a_gather, b_gather = v
+    mode, b_kmajor, epi, act, a_gather, b_gather = v.mode, v.b_kmajor, v.epi, v.act, v.a_gather, v.b_gather
     tma = b_load == "tma"
     if which == "gemm2z":
         return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_act=True)
@@ -122,8 +155,14 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
 def _module_names90(ct, act):
     variants = _variants(act)
     names = [_name90(ct, k, v, b_load=b_load) for k, v in variants.items() for b_load in B_LOADS]
-    names += [_name90(ct, k, variants[k], carry_in=True, b_load=b_load) for k in ("dw2", "dw13") for b_load in B_LOADS]
+    names += [_name90(ct, k, variants[k], carry_in=True, b_load=b_load) for k in ("dw2", "dw13")
+              for b_load in B_LOADS]
     return tuple(dict.fromkeys(names))
+
+
+def _stages90(bn=BN90, a_tiles=1):
+    """sm90::Cfg<bn, ..., a_tiles>::STAGES: 3 stages with two A tiles, else 4 at bn 256 and 6 at 128."""
+    return 3 if a_tiles == 2 else 4 if bn == 256 else 6
 
 
 def _smem90(bn=BN90, staging=True, a_tiles=1):
@@ -132,7 +171,7 @@ def _smem90(bn=BN90, staging=True, a_tiles=1):
     for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
     epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
     descriptors of 16 bytes."""
-    stages = 3 if a_tiles == 2 else 4 if bn == 256 else 6
+    stages = _stages90(bn, a_tiles)
     nbar = 2 * stages + (9 if staging else 0)
     epi = 8 * 4096 if staging else 0
     return 1024 + stages * (128 * a_tiles + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
@@ -183,7 +222,7 @@ def _smem_bytes(itemsize, a_kmajor, b_kmajor):
 class _Kernels:
     """The compiled functions for one (dtype, activation, weight layout)."""
 
-    def __init__(self, dtype, activation, b_load=None, weight_layout="out_in"):
+    def __init__(self, dtype, activation, b_load=None, weight_layout="out_in", path=None):
         base, self.interleaved = split_activation(activation)
         self.t = weight_layout == "in_out"  # weights stored (E, in, out)
         self.ct = _CTYPES[np.dtype(dtype)]
@@ -195,31 +234,39 @@ class _Kernels:
         self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
-        # wgmma kernels on Hopper for 16-bit types; BLAZECORE_SM90=0 selects the mma.sync kernels (a dry run
-        # follows its own arch only: the memory model is a function of its arguments)
-        # (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run the mma.sync kernels)
+        # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
+        # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
+        # arguments) (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run mma.sync)
+        check_gemm_path(path)
+        if path is None:
+            wgmma = _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0"
+        else:
+            wgmma = path == "wgmma"
         self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
-            _compile.device_arch() == "sm_90a" and (_array.dry() is not None or
-                                                    os.environ.get("BLAZECORE_SM90", "1") != "0")
+            _compile.device_arch() == "sm_90a" and wgmma
 
     def fn(self, name, smem=0):
         return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
 
-    def gemm(self, which, carry_in=False, b_load=None):
-        """(function, dynamic smem bytes, threads per CTA, n-tile width) for one GEMM variant; ``b_load``
-        overrides the kernels' dense-operand load for this launch (sm_90a)."""
+    def variant(self, which, carry_in=False, b_load=None) -> KernelVariant:
+        """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
+        for this launch (sm_90a)."""
         v = self.variants[which]
         if self.sm90:
-            names = _module_names90(self.ct, self.act)
-            smem = _smem90(staging=which in _M_GROUPED, a_tiles=2 if which == "gemm2z" and self.gated else 1)
-            fn = _compile.get_function(_FILE90, _name90(self.ct, which, v, carry_in, b_load or self.b_load),
-                                       module_names=names, max_dynamic_smem=smem)
-            return fn, smem, NTHREADS90, BN90
-        smem = _smem_bytes(self.itemsize, v[1], v[2])
-        return self.fn(_gemm_name(self.ct, *v), smem), smem, NTHREADS, BN
+            a_tiles = 2 if which == "gemm2z" and self.gated else 1
+            return KernelVariant(_FILE90, _name90(self.ct, which, v, carry_in, b_load or self.b_load), NTHREADS90, BM,
+                                 BN90, _stages90(BN90, a_tiles), _smem90(BN90, which in _M_GROUPED, a_tiles))
+        return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
+                             _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
+
+    def gemm(self, which, carry_in=False, b_load=None):
+        """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
+        kv = self.variant(which, carry_in, b_load)
+        names = _module_names90(self.ct, self.act) if kv.file == _FILE90 else self.names
+        return _compile.get_function(kv.file, kv.name, module_names=names, max_dynamic_smem=kv.smem), kv
 
     def tiles_n(self, which, n, gated=False):
-        bn = self.gemm(which)[3]
+        bn = self.variant(which).bn
         return -(-n // (bn // 2)) if gated else -(-n // bn)
 
 
@@ -236,7 +283,7 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
     es = kern.itemsize
-    if kern.variants[which][2]:  # K-major
+    if kern.variants[which].b_kmajor:
         halves = 2 if which == "gemm1" and kern.gated else 1
         return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, (up or N) * ldb * es, b_estride * es),
                               (64, BN90 // 2, 1, 1))
@@ -265,13 +312,13 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
         amap = _a_map(kern, A, lda, M)
         b_load = "tma" if amap is not None else "cp_async"
         extra = (_tma.null_map() if amap is None else amap,)  # the kernel's tmap_a
-    fn, smem, threads, _ = kern.gemm(which, carry_in=carry_in, b_load=b_load)
+    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
         up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)
         extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd, up),)  # the kernel's tmap_b
     fn(
-        (int(grid),), (threads,),
+        (int(grid),), (kv.threads,),
         (
             A, np.int64(lda), B, np.int64(ldb), np.int64(b_estride),
             disp.slot_token, disp.slot_k, disp.expert_offsets, _ptr(tile_offsets),
@@ -280,7 +327,7 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
             _ptr(bias), np.int64(bias_estride), _ptr(gates), np.int32(topk), _ptr(part), np.int32(part_ld),
             np.int32(flags), _ptr(kblocks), np.int32(num_kblocks), _ptr(carry), _ptr(carry_seen), *extra,
         ),
-        shared_mem=smem, stream=stream,
+        shared_mem=kv.smem, stream=stream,
     )
 
 
@@ -345,7 +392,7 @@ def _dims(x, w13, w2, gates, t=False):
 
 
 def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, stream, weight_layout="out_in",
-            act_in_operand=False):
+            act_in_operand=False, gemm_path=None):
     """y = combine_k g * expert(x), chunk by chunk; returns (z_user or None, extra).
 
     ``chunks`` lists (t0, t1, dispatch of expert_ids[t0:t1]) covering [0, L) in order. The transients (hcur and
@@ -359,7 +406,7 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
     z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
     if L == 0:
         return (z.user if z is not None else None), {}
-    kern = _Kernels(dt, activation, weight_layout=weight_layout)
+    kern = _Kernels(dt, activation, weight_layout=weight_layout, path=gemm_path)
     for t0, t1, disp in chunks:
         zc = z.view[t0 * K:t1 * K] if z is not None else None
         _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, b13, b2, y[t0:t1], zc, stream, act_in_operand)
@@ -437,7 +484,7 @@ class _Carry:
     """
 
     def __init__(self, kern, E, d, h, H2, db13, db2, slices=None):
-        bn = kern.gemm("dw13")[3]
+        bn = kern.variant("dw13").bn
         g13, g2 = wgrad_grids(kern.sm90, kern.t, E, d, h, H2, slices, kern.interleaved)
         self.off13 = [BM * bn * sum(g13[:i]) for i in range(len(g13))]
         self.off2 = [BM * bn * sum(g2[:i]) for i in range(len(g2))]
@@ -501,7 +548,7 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
             if b is not None:
                 b.fill(0)
         return
-    kern = _Kernels(dt, saved.activation, weight_layout=saved.weight_layout)
+    kern = _Kernels(dt, saved.activation, weight_layout=saved.weight_layout, path=saved.gemm_path)
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
@@ -551,7 +598,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     # h is much wider than d (h_slices; not with a chunk carry, whose layout assumes one launch): the slice's
     # (L*K, width) g * hcur rows are all the backward keeps of it, and every element has the same bits.
     tiles_nh = kern.tiles_n("dhcur", h)
-    bn_h = kern.gemm("dhcur")[3]
+    bn_h = kern.variant("dhcur").bn
     dz = z if in_place else _array.empty_gpu((LK, H2), dt).view
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
     blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
@@ -689,7 +736,7 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
     slices = h_slices(h, d, lean=True)
     wmax = max(c1 - c0 for c0, c1 in slices)
     tiles_nh = kern.tiles_n("dhcur", h)
-    bn_h = kern.gemm("dhcur")[3]
+    bn_h = kern.variant("dhcur").bn
     part = _array.empty_gpu((LK, tiles_nh), np.float32).view
     blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
     zbuf = _array.empty_gpu((LK * r * wmax,), dt).view
@@ -781,7 +828,7 @@ def chunk_dispatches(ids, E, bounds, s, validate: bool) -> tuple:
 
 
 def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkpoint, dispatch, out, stream,
-                  chunking, weight_layout="out_in", act_in_operand=False):
+                  chunking, weight_layout="out_in", act_in_operand=False, gemm_path=None):
     """:func:`blazecore.moe.moe_forward` on validated CuPy views on the current device: y, the dispatch (or one
     per chunk), then :func:`forward`. Returns (y as the allocator gave it, :class:`MoESaved`)."""
     dev = x.device.id
@@ -807,10 +854,10 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
         else:
             chunk_list = [(t0, t1, dp) for (t0, t1), dp in zip(bounds, chunk_disp, strict=True)]
             ab, extra = forward(x, w13, w2, gates, chunk_list, activation, checkpoint, b13, b2, y.view, s,
-                                weight_layout, act_in_operand)
+                                weight_layout, act_in_operand, gemm_path)
     saved = MoESaved(x, w13, w2, gates, ids, dispatch, activation, checkpoint, b13, b2, ab, dict(extra or {}),
                      chunks=chunking[0], block_tokens=chunking[1], weight_layout=weight_layout,
-                     chunk_dispatches=chunk_disp if len(bounds) > 1 else ())
+                     chunk_dispatches=chunk_disp if len(bounds) > 1 else (), gemm_path=gemm_path)
     return y.user, saved
 
 

@@ -30,10 +30,12 @@ from ._moe_common import (
     ACTIVATIONS,
     BLOCK_TOKENS,
     CHECKPOINTS,
+    GEMM_PATHS,
     WEIGHT_LAYOUTS,
     MoEGrads,
     MoESaved,
     activation_info,
+    check_gemm_path,
     check_weight_layout,
     chunk_bounds,
     weight_dims,
@@ -221,7 +223,7 @@ def _intake_backward(dy, saved):
 def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab",
                 b13=None, b2=None, dispatch: Dispatch | None = None, out=None, stream=None, check_finite: bool = False,
                 chunks=1, block_tokens: int = BLOCK_TOKENS, memory_budget=None, weight_layout: str = "out_in",
-                act_in_operand: bool = False):
+                act_in_operand: bool = False, gemm_path: str | None = None):
     """Forward of the MoE layer: expert FFNs of the routed tokens, combined with the gates.
 
     Args:
@@ -269,6 +271,11 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             wide d). Ignored elsewhere. For callers whose buffers all live through the whole call (JAX: XLA
             allocates a computation's outputs before it starts), where the forward's transients add to the
             backward's.
+        gemm_path: the expert GEMMs' kernels on the GPU, one of ``blazecore.GEMM_PATHS``: "wgmma" (the sm_90a
+            kernels, for bf16 / fp16 with "out_in" weights on Hopper; other cases fall back to mma.sync) or
+            "mma_sync" (the portable kernels). None (default): "wgmma" unless the environment sets
+            BLAZECORE_SM90=0. The backward of this forward uses the same path. The two paths agree to rounding,
+            not bit for bit. Ignored on the CPU.
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);
@@ -285,6 +292,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     caller = x
     if not isinstance(act_in_operand, (bool, np.bool_)):
         raise TypeError(f"act_in_operand must be a bool, got {type(act_in_operand).__name__}")
+    check_gemm_path(gemm_path)
     x, w13, w2, gates, ids, b13, b2, gpu, sz = _intake_forward(
         x, w13, w2, gates, expert_ids, activation, checkpoint, b13, b2, weight_layout)
     if isinstance(dispatch, Dispatch):  # its arrays as the intake's views (a CPU one may hold torch tensors)
@@ -308,7 +316,7 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     chunking = (int(chunks), int(block_tokens))
     if gpu:
         return _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, stream,
-                            chunking, weight_layout, bool(act_in_operand))
+                            chunking, weight_layout, bool(act_in_operand), gemm_path)
     if stream is not None:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
     y, saved = _forward_cpu(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out, chunking,
@@ -423,10 +431,11 @@ def _backward_cpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates) ->
 
 
 def _forward_gpu(x, w13, w2, gates, ids, b13, b2, sz: _Sizes, activation, checkpoint, dispatch, out, stream,
-                 chunking, weight_layout, act_in_operand=False):
+                 chunking, weight_layout, act_in_operand=False, gemm_path=None):
     with _array.device_scope(x.device.id):
         return _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, dispatch, out,
-                                      stream, chunking, weight_layout=weight_layout, act_in_operand=act_in_operand)
+                                      stream, chunking, weight_layout=weight_layout, act_in_operand=act_in_operand,
+                                      gemm_path=gemm_path)
 
 
 def _backward_gpu(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
@@ -438,6 +447,7 @@ __all__ = [
     "ACTIVATIONS",
     "BLOCK_TOKENS",
     "CHECKPOINTS",
+    "GEMM_PATHS",
     "MoEGrads",
     "MoESaved",
     "WEIGHT_LAYOUTS",

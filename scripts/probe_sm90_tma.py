@@ -151,7 +151,7 @@ def gemm_launches(kern, p, which, outs):
                 bias=None if p.b2 is None else p.b2[:, c0:], bias_estride=d, gates=p.gates, topk=p.K))
     elif which == "dhcur":
         tiles_nh = kern.tiles_n("dhcur", h)
-        bn_h = kern.gemm("dhcur")[3]
+        bn_h = kern.variant("dhcur").bn
         sl = G.h_slices(h, d)
         dzb = outs.setdefault("dz", p.alloc((LK, H2)))
         part = outs.setdefault("part", p.alloc((LK, tiles_nh), np.float32))

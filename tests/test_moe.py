@@ -1080,3 +1080,37 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
             assert np.isfinite(got[e]).all(), f"{b_load}: expert {e} took the next expert's rows"
             assert_close(got[e], want, TOL[BF16], f"{b_load} expert {e}")
         assert outs["tma"][e].tobytes() == outs["cp_async"][e].tobytes(), f"expert {e}: bits differ between loads"
+
+
+def test_gemm_path_argument_is_checked():
+    """gemm_path is one of blazecore.GEMM_PATHS or None; anything else is a ValueError before any work (the CPU
+    accepts and ignores a valid one)."""
+    inp = _inputs(CASES[0], "f32", "swiglu", False)
+    for bad in ("cutlass", "", 1):
+        with pytest.raises(ValueError, match="gemm_path"):
+            moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], gemm_path=bad)
+    y0, _ = moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"])
+    for path in blazecore.GEMM_PATHS:
+        y, saved = moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], gemm_path=path)
+        assert np.array_equal(y, y0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES
+                                  if c.name in ("L63", "empty_experts", "tiles", "wide_h")])
+@pytest.mark.parametrize("gemm_path", [pytest.param(p, id=p) for p in blazecore.GEMM_PATHS])
+def test_layer_vs_reference_on_each_gemm_path_gpu(gemm_path, case, activation, checkpoint, monkeypatch):
+    """The layer on each expert-GEMM path named by the argument (bf16, bias on), against the float64 reference. The
+    environment asks for the other path: the argument decides, and the backward keeps the forward's path."""
+    from blazecore import _compile, _moe_gpu
+
+    monkeypatch.setenv("BLAZECORE_SM90", "0" if gemm_path == "wgmma" else "1")
+    kern = _moe_gpu._Kernels(BF16, activation, path=gemm_path)
+    assert kern.sm90 == (gemm_path == "wgmma" and _compile.device_arch() == "sm_90a")
+    inp = _inputs(case, "bf16", activation, True)
+    dev = _on(inp, "gpu")
+    y, saved, grads = _run(dev, activation, checkpoint, gemm_path=gemm_path)
+    assert saved.gemm_path == gemm_path
+    _check_against(y, grads, inp, _expected(case, "bf16", activation, True, "gpu"), TOL[BF16], f"{gemm_path} ")
