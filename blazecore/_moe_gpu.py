@@ -1,4 +1,5 @@
-"""GPU launchers for the expert FFN (``cuda/moe.cu``), called by :mod:`blazecore.moe`, and the layer's GPU
+"""GPU launchers for the expert FFN (``cuda/moe_gemm_sm80.cu``, ``moe_gemm_sm90.cu``, ``moe_wgrad_sm90.cu``,
+``moe_helpers.cu``), called by :mod:`blazecore.moe`, and the layer's GPU
 path (:func:`layer_forward`, :func:`layer_backward`: outputs, dispatch, launchers), which the memory model
 (:mod:`blazecore.memory`) runs dry to count its allocations.
 
@@ -42,8 +43,10 @@ from ._moe_common import (
 )
 from .dispatch import _validate_gpu, build_dispatch
 
-_FILE = "moe.cu"
-_FILE90 = "moe_sm90.cu"
+_FILE = "moe_gemm_sm80.cu"  # the mma.sync GEMMs (every arch and dtype)
+_FILE_HELPERS = "moe_helpers.cu"  # tile offsets, combine, dgates, bias gradients, token blocks, seen experts
+_FILE90 = "moe_gemm_sm90.cu"  # the sm_90a M-grouped GEMMs
+_FILE_WGRAD90 = "moe_wgrad_sm90.cu"  # the sm_90a weight-gradient GEMMs
 BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 threads, 1 CTA per SM
 NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
@@ -115,10 +118,12 @@ def _variants(act, t=False) -> dict[str, GemmSpec]:
 
 
 def _module_names(ct, act, t=False):
-    names = [_gemm_name(ct, v) for k, v in _variants(act, t).items() if k not in _SM90_ONLY]
-    names += ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
-              "blz::moe_block_starts", "blz::moe_mark_seen"]
-    return names
+    return [_gemm_name(ct, v) for k, v in _variants(act, t).items() if k not in _SM90_ONLY]
+
+
+def _helper_names(ct):
+    return ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
+            "blz::moe_block_starts", "blz::moe_mark_seen"]
 
 
 def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False):
@@ -153,11 +158,18 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
 
 @functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
 def _module_names90(ct, act):
+    """The sm_90a M-grouped kernels of one (dtype, activation): one module of _FILE90."""
     variants = _variants(act)
-    names = [_name90(ct, k, v, b_load=b_load) for k, v in variants.items() for b_load in B_LOADS]
-    names += [_name90(ct, k, variants[k], carry_in=True, b_load=b_load) for k in ("dw2", "dw13")
-              for b_load in B_LOADS]
-    return tuple(dict.fromkeys(names))
+    return tuple(dict.fromkeys(_name90(ct, k, v, b_load=b_load) for k, v in variants.items() if k in _M_GROUPED
+                               for b_load in B_LOADS))
+
+
+@functools.lru_cache(maxsize=None)
+def _wgrad_names90(ct):
+    """The sm_90a weight-gradient kernels of one dtype (activation-independent): one module of _FILE_WGRAD90."""
+    variants = _variants(0)
+    return tuple(dict.fromkeys(_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load)
+                               for k in ("dw2", "dw13") for carry_in in (False, True) for b_load in B_LOADS))
 
 
 def _stages90(bn=BN90, a_tiles=1):
@@ -201,6 +213,8 @@ def _persistent_grid(grid):
 _compile.register_kernels(
     _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
 )
+_compile.register_kernels(_FILE_WGRAD90, [n for ct in ("__nv_bfloat16", "__half") for n in _wgrad_names90(ct)])
+_compile.register_kernels(_FILE_HELPERS, list(dict.fromkeys(n for ct in _CTYPES.values() for n in _helper_names(ct))))
 def _act_codes():
     """Every Act id the mma.sync kernels take: each activation, and each gated one interleaved."""
     return [*_ACT_IDS.values(), *(_ACT_IDS[a] | ACT_INTERLEAVED for a in sorted(_GATED))]
@@ -245,8 +259,9 @@ class _Kernels:
         self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
             _compile.device_arch() == "sm_90a" and wgmma
 
-    def fn(self, name, smem=0):
-        return _compile.get_function(_FILE, name, module_names=self.names, max_dynamic_smem=smem)
+    def fn(self, name):
+        """One of the small kernels (moe_helpers.cu) for this dtype."""
+        return _compile.get_function(_FILE_HELPERS, name, module_names=_helper_names(self.ct))
 
     def variant(self, which, carry_in=False, b_load=None) -> KernelVariant:
         """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
@@ -254,7 +269,8 @@ class _Kernels:
         v = self.variants[which]
         if self.sm90:
             a_tiles = 2 if which == "gemm2z" and self.gated else 1
-            return KernelVariant(_FILE90, _name90(self.ct, which, v, carry_in, b_load or self.b_load), NTHREADS90, BM,
+            file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
+            return KernelVariant(file, _name90(self.ct, which, v, carry_in, b_load or self.b_load), NTHREADS90, BM,
                                  BN90, _stages90(BN90, a_tiles), _smem90(BN90, which in _M_GROUPED, a_tiles))
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
@@ -262,7 +278,8 @@ class _Kernels:
     def gemm(self, which, carry_in=False, b_load=None):
         """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
         kv = self.variant(which, carry_in, b_load)
-        names = _module_names90(self.ct, self.act) if kv.file == _FILE90 else self.names
+        names = {_FILE90: lambda: _module_names90(self.ct, self.act), _FILE_WGRAD90: lambda: _wgrad_names90(self.ct),
+                 _FILE: lambda: self.names}[kv.file]()
         return _compile.get_function(kv.file, kv.name, module_names=names, max_dynamic_smem=kv.smem), kv
 
     def tiles_n(self, which, n, gated=False):

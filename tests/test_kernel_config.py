@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
-from blazecore import _compile, _moe_gpu
+import blazecore
+from blazecore import _array, _compile, _moe_gpu
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy (extra cuda12 or cuda13)")
 
@@ -51,7 +53,7 @@ def _source(include: str, asserts: list[str]) -> str:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("include, asserts", [("moe.cu", _sm80_asserts), ("moe_sm90.cu", _sm90_asserts)],
+@pytest.mark.parametrize("include, asserts", [("moe_gemm_sm80.cu", _sm80_asserts), ("sm90_common.cuh", _sm90_asserts)],
                          ids=["moe_gemm", "moe_sm90"])
 def test_launcher_constants_match_the_kernels(include, asserts, arch):
     _compile.compile_source(_source(include, asserts()), "kernel_config_check.cu", (), arch)
@@ -61,4 +63,32 @@ def test_a_drifted_constant_fails_to_compile():
     """The check can fail: one shared-memory figure off by 16 bytes is a compile error naming it."""
     bad = f"blz::sm90::Cfg<256, true, 1>::SMEM_BYTES == {_moe_gpu._smem90(256, True, 1) + 16}"
     with pytest.raises(_compile.CompileError, match="SMEM_BYTES"):
-        _compile.compile_source(_source("moe_sm90.cu", [bad]), "kernel_config_check.cu", (), "sm_90a")
+        _compile.compile_source(_source("sm90_common.cuh", [bad]), "kernel_config_check.cu", (), "sm_90a")
+
+
+def _activations():
+    base = list(blazecore.ACTIVATIONS)
+    return base + [f"{a}_interleaved" for a in sorted(_moe_gpu._GATED)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_launchable_kernel_is_registered(arch):
+    """Every kernel a launcher can ask for (each dtype, activation, weight layout, GEMM path, GEMM role, carry and
+    dense-operand load) is registered in the file the launcher loads it from, so the CPU compile check covers it
+    and the module that holds it is the one built."""
+    seen = set()
+    with _array.dry_run(arch):
+        for dtype, act, layout, path in itertools.product((np.float32, np.float16, blazecore.BF16), _activations(),
+                                                          blazecore.WEIGHT_LAYOUTS, blazecore.GEMM_PATHS):
+            kern = _moe_gpu._Kernels(dtype, act, weight_layout=layout, path=path)
+            for which in kern.variants:
+                if which in _moe_gpu._SM90_ONLY and not kern.sm90:
+                    continue
+                for carry_in, b_load in itertools.product((False, True), _moe_gpu.B_LOADS):
+                    kv = kern.variant(which, carry_in, b_load)
+                    assert kv.name in _compile.KERNELS[kv.file], (kv.file, kv.name)
+                    seen.add(kv.file)
+            for name in _moe_gpu._helper_names(kern.ct):
+                assert name in _compile.KERNELS[_moe_gpu._FILE_HELPERS], name
+    want = {_moe_gpu._FILE, _moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90} if arch == "sm_90a" else {_moe_gpu._FILE}
+    assert seen == want

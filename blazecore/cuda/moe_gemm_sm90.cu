@@ -1,0 +1,538 @@
+// sm_90a (Hopper) M-grouped expert GEMM: the MODE_M contract of moe_gemm (moe_gemm_sm80.cu) on wgmma.mma_async.
+//
+//   C[s, n] = sum_k A[row(s), k] * B_e[n, k]   for the slots s of expert e, row(s) = slot_token[s] (A_GATHER) or s
+//
+// A tile is (expert e, m-tile of the slot range [offsets[e], offsets[e+1]), n-tile), found through tile_offsets
+// with find_expert as moe_gemm does. The CTAs are persistent: each walks the tile list (its length read on the
+// device) with a stride of gridDim.x; the producer runs into the next tile's k-tiles while the consumers finish
+// the current tile's epilogue (EPI_ACT and EPI_ROWSCALE stage it outside the ring; EPI_DHCUR stages it in the
+// ring, so there the producer waits for the epilogue).
+//
+// CTA = 3 warpgroups (384 threads):
+//   warpgroup 0     producer: 16-byte cp.async copies of the gathered A rows and of the B tile into a
+//                   STAGES-deep ring of shared-memory stages; each copy lands at its 128-byte-swizzle
+//                   position, and cp.async.mbarrier.arrive.noinc signals the stage's "full" barrier when
+//                   the thread's copies have landed (the tensor copy engine cannot gather rows on sm_90).
+//   warpgroups 1, 2 consumers: tile rows [64 (w-1), 64 w); wait "full", fence.proxy.async (the copies are
+//                   generic-proxy writes, wgmma reads through the async proxy), 4 x wgmma m64nBNk16 per
+//                   64-wide k-tile, commit, wait_group 1, then release the previous stage ("empty").
+//   setmaxnreg moves registers from the producer to the consumers (BN/2 fp32 accumulators per thread).
+// Proxy fence: a generic-proxy write and an async-proxy read of the same bytes are ordered when a
+// fence.proxy.async lies on the causality path between them. The cp.async completion arrives on the
+// mbarrier (release), the consumer's try_wait acquires it, and the consumer's fence follows, so the
+// fence sits on that path. BLZ_SM90_PRODUCER_FENCE=1 selects the conservative alternative instead:
+// each producer thread waits for its own copies (cp.async.wait_group, STAGES-2 k-tiles behind the
+// newest), fences, then arrives normally; it costs prefetch depth.
+//
+// Shared-memory tiles (one stage; every tile starts on a 1024-byte boundary):
+//   A  [BM = 128 rows][64 k] K-major: row r at r * 128 bytes, 16-byte chunk c of the row at chunk
+//      position c ^ (r % 8) (the 128-byte swizzle); 8-row groups are 1024 bytes apart.
+//   B  K-major (weights (E, N, Kd)): [BN rows = output cols][64 k], same layout as A.
+//   B  N-major (weights (E, Kd, N)): BN / 64 atoms of [64 k rows][64 n] (8 KB each), atom a holding
+//      columns [64 a, 64 a + 64); inside an atom k-row r at r * 128 bytes, chunk c at c ^ (r % 8).
+// Descriptors (see make_desc): start address >> 4 in bits 0-13, leading byte offset >> 4 in bits 16-29,
+// stride byte offset >> 4 in bits 32-45, swizzle mode in bits 62-63 (1 = 128-byte swizzle).
+//   K-major : SBO = 1024 (next 8-row group), LBO unused (encoded 1); the k16 step inside the 128-byte
+//             row advances the start address by 32 bytes.
+//   N-major : LBO = 8192 (next 64-column atom), SBO = 1024 (next 8 k-rows); the k16 step advances the
+//             start address by 2048 bytes; the instruction's transpose-B immediate is 1.
+// Gated first GEMM (EPI_ACT with SWIGLU/GEGLU): B rows [0, BN/2) are gate rows n0 + [0, BN/2) and
+// rows [BN/2, BN) the matching up rows N + n0 + [0, BN/2), so accumulator column c pairs with column
+// c + BN/2, which the same thread holds BN/4 registers later (see wg_for_each_gated_pair).
+//
+// The K-grouped weight-gradient GEMM on the same pipeline is moe_wgrad_sm90.cu; what both share is in
+// sm90_common.cuh.
+#include "sm90_common.cuh"
+
+namespace blz {
+
+// ---- the kernel ----------------------------------------------------------------------------------------
+// Same parameter list as moe_gemm (MODE_M); M is unused here, and so is o_estride but for EPI_DHCUR, where a
+// nonzero o_estride is the column offset of z's and dz's up half (a launch over a column slice of h passes h;
+// 0 means N), and for a gated EPI_ACT, where it is the offset of B's up-half rows (N-major: columns) and of the
+// bias' up half (a launch over a column slice of h passes h; 0 means N; z's up half stays at column N).
+// T is __nv_bfloat16 or __half.
+// Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
+// BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
+// sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
+// B_TMA: the B tile comes by TMA (tmap_b, see below) instead of cp.async; the gathered A rows stay on cp.async.
+// tmap_b (ignored unless B_TMA), encoded by blazecore/_tma.py with 128-byte swizzle, zero fill out of bounds:
+//   K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2, 1, 1): two boxes per stage, the gate and up
+//     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
+//     128-byte rows, which is the layout the cp.async path writes.
+//   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
+template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false,
+          bool A_ACT = false>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
+    const T* __restrict__ A, long long lda,
+    const T* __restrict__ B, long long ldb, long long b_estride,
+    const int* __restrict__ slot_token,
+    const int* __restrict__ slot_k,
+    const int* __restrict__ offsets,
+    const int* __restrict__ tile_offsets,
+    int num_experts, int M, int N, int Kd,
+    T* out, long long ldo, long long o_estride,  // out and aux may alias (EPI_DHCUR writes dz over z)
+    T* __restrict__ out2, long long ldo2,
+    const T* aux, long long ldaux,
+    const T* __restrict__ bias, long long bias_estride,
+    const float* __restrict__ gates, int topk,
+    float* __restrict__ part, int part_ld,
+    int flags,
+    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
+    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
+    const __grid_constant__ sm90::TmaMap tmap_b) {                   // B_TMA: the B operand's tensor map
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
+  // local names (moe_gemm_sm80.cu has its own BM, BK, STAGES at namespace scope)
+  constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
+  // A_ACT: A holds pre-activations z in slot order (gated: the gate columns [0, Kd), the up columns [Kd, 2 Kd));
+  // the consumers read A's fragments into registers and apply the activation there (hcur is never stored)
+  static_assert(!A_ACT || (EPI == EPI_ROWSCALE && !A_GATHER), "A_ACT: the second GEMM's slot-ordered A only");
+  constexpr bool A2 = A_ACT && act_gated(ACT);  // two A tiles a stage: gate and up
+  using C = sm90::Cfg<BN, true, A2 ? 2 : 1>;
+  constexpr int STAGES = C::STAGES;
+  constexpr int EPC = 8;  // elements per 16-byte chunk
+  constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  static_assert(!(B_TMA && GATED && !B_KMAJOR), "TMA B: gated tiles need K-major weights");
+  extern __shared__ unsigned char sm90_smem[];
+  const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+  const unsigned epi_done = empty0 + 8 * STAGES;  // EPI_DHCUR: the consumer warps are done with the ring
+  const unsigned info_full0 = epi_done + 8;       // tile descriptor li % INFO_SLOTS is written
+  const unsigned info0 = sbase + C::INFO_OFFSET;  // descriptors {e, m0, m_end, tn}, 16 bytes each
+
+  const int tid = threadIdx.x;
+
+  // ---- tile schedule -----------------------------------------------------------------------------------
+  // Persistent CTAs: CTA b takes the tiles b, b + gridDim.x, b + 2 gridDim.x, ... of the list of the
+  // tile_offsets[E] * tiles_n tiles that exist (the count is read on the device). Grouped rasterization: tile
+  // number v walks GROUP_M m-tiles down one n-tile, then the next n-tile, so the CTAs working at a time share
+  // a few B (weight) slices and a few A row blocks in L2; with tmg-major order an expert whose weights exceed
+  // L2 (e.g. h = 14336) would stream them from DRAM once per m-tile. The producer decodes each tile and hands
+  // it to the consumers through a shared-memory descriptor, so the decode (a binary search over
+  // tile_offsets) stays off the consumers' path; it runs ahead into the next tile's k-tiles while the
+  // consumers finish the current one.
+  constexpr int GROUP_M = 16;
+  const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
+  const int mt_total = __ldg(tile_offsets + num_experts);
+  const int total = mt_total * tiles_n;
+  const int num_kt = (Kd + BK - 1) / BK;  // >= 1 (Kd > 0 for every M-grouped GEMM)
+  const long long zup = (EPI == EPI_DHCUR && o_estride) ? o_estride : N;  // EPI_DHCUR: z / dz up-half offset
+  const long long bup = (GATED && o_estride) ? o_estride : N;  // gated EPI_ACT: B's and the bias' up-half offset
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      // one arrival per producer thread (cp.async), + the B_TMA issuing thread's expect_tx arrival
+      sm90::mbar_init(full0 + 8 * s, 128 + (B_TMA ? 1 : 0));
+      // one arrival per consumer warp; A_ACT: per consumer thread (each reads the stage with ldmatrix)
+      sm90::mbar_init(empty0 + 8 * s, (A_ACT ? 128 : 4) * sm90::CONSUMER_WGS);
+    }
+    sm90::mbar_init(epi_done, 4 * sm90::CONSUMER_WGS);
+#pragma unroll
+    for (int i = 0; i < sm90::INFO_SLOTS; ++i) sm90::mbar_init(info_full0 + 8 * i, 1);
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================================ producer warpgroup ================================
+    sm90::setmaxnreg_dec<sm90::PRODUCER_REGS>();
+    // A: 8 threads per 128-byte row, rows r0 + 16 i; the swizzled chunk position is the same for all i.
+    const int cc = tid & 7, r0 = tid >> 3;
+    const unsigned a_sw = static_cast<unsigned>((cc ^ (r0 & 7)) << 4);
+    // B N-major: CPR 16-byte chunks per k-row, RPP k-rows per pass; chunk column cn.
+    constexpr int CPR = BN / EPC, RPP = 128 / CPR;
+    const int cn = tid % CPR, rb = tid / CPR;
+    const unsigned b_atom = static_cast<unsigned>((cn >> 3) * (BK * ROW_BYTES)), b_j = cn & 7;
+    if constexpr (B_TMA) {
+      if (tid == 0) sm90::tma_prefetch_map(&tmap_b);
+    }
+    int stage = 0, it = 0;  // ring position and k-tile count over all of this CTA's tiles
+    unsigned phase = 0;
+    int li = 0;
+    for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
+      const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
+      const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
+      const int tmg = first + local % gsz, tn = local / gsz;
+      const int e = find_expert(tile_offsets, num_experts, tmg);
+      const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
+      const int m_end = __ldg(offsets + e + 1);
+      const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+      if (tid == 0) {
+        // slot li % INFO_SLOTS was last read by the consumers before they released the k-tiles of tile
+        // li - INFO_SLOTS, which this thread has waited for (INFO_SLOTS >= STAGES + 1)
+        const uint4 desc = make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0), static_cast<unsigned>(m_end),
+                                      static_cast<unsigned>(tn));
+        sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), desc);
+        sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+      }
+      // Source rows are kept as 32-bit row indices (-1: past the expert's slots, zero-filled).
+      int a_row[BM / 16];
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const int s = m0 + r0 + 16 * i;
+        a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+      }
+      // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
+      // the up rows bup + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
+      // offsets (within expert e) of this thread's first gate (or plain) row and first up row.
+      // B N-major: b_off0: element offset of (k-row rb, this chunk's global column); b_ok: column in range.
+      unsigned b_ok = 0;
+      long long b_off0 = 0, b_off1 = 0;
+      if constexpr (B_TMA) {
+        // the tensor map holds the addressing and the bounds
+      } else if constexpr (B_KMAJOR) {
+        constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
+        b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
+        b_off1 = (bup + n0 + r0) * ldb + cc * EPC;
+      } else {
+        int n, col;
+        if constexpr (GATED) {
+          n = n0 + (cn % (CPR / 2)) * EPC;
+          col = (cn < CPR / 2) ? n : static_cast<int>(bup) + n;
+        } else {
+          n = n0 + cn * EPC;
+          col = n;
+        }
+        b_ok = n < N ? 1u : 0u;
+        b_off0 = (long long)rb * ldb + col;
+      }
+      const T* Be = B + (long long)e * b_estride;
+      // EPI_DHCUR stages its epilogue in the ring: the previous tile's must be done before the ring refills
+      if constexpr (EPI == EPI_DHCUR) {
+        if (li > 0) sm90::mbar_wait(epi_done, static_cast<unsigned>(li - 1) & 1u);
+      }
+
+      // EPI_DHCUR reads the tile's z rows after the mainloop: pull them into L2 2 * STAGES k-tiles before its
+      // end (thread p: row m0 + p; 128-byte lines of the gate columns [n0, n0 + BN) and, gated, the up columns).
+      const int pf_kt = EPI == EPI_DHCUR ? max(0, num_kt - 2 * STAGES) : -1;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        if constexpr (EPI == EPI_DHCUR) {
+          if (kt == pf_kt && m0 + tid < m_end) {
+            const T* zr = aux + (long long)(m0 + tid) * ldaux + n0;
+#pragma unroll
+            for (int c = 0; c < BN / 64; ++c) {
+              if (n0 + 64 * c < N) {
+                sm90::prefetch_l2(zr + 64 * c);
+                if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + zup + 64 * c);
+              }
+            }
+          }
+        }
+        if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::B_OFFSET;
+        const int k0 = kt * BK;
+        const int kc = k0 + cc * EPC;
+        const bool kok = kc < Kd;
+#pragma unroll
+        for (int i = 0; i < BM / 16; ++i) {
+          const bool ok = kok && a_row[i] >= 0;
+          const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
+          sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
+          if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? src + Kd : A,
+                                               ok ? 16 : 0);
+        }
+        if constexpr (B_TMA) {
+          // one thread issues the stage's boxes after raising the full barrier's transaction count by B_BYTES
+          if (tid == 0) {
+            const unsigned bar = full0 + 8 * stage;
+            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES);
+            if constexpr (B_KMAJOR) {
+              constexpr int HALF = BN / 2;  // rows per box
+              sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
+              sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
+            } else {
+#pragma unroll
+              for (int a = 0; a < BN / 64; ++a)
+                sm90::tma_load_3d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, n0 + 64 * a, k0, e);
+            }
+          }
+        } else if constexpr (B_KMAJOR) {
+          constexpr int ROWS = GATED ? BN / 32 : BN / 16;
+          const long long step = 16 * ldb;
+#pragma unroll
+          for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+            const T* src = Be + (half ? b_off1 : b_off0) + k0;
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i, src += step) {
+              const bool ok = kok && ((b_ok >> i) & 1u);
+              sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok ? 16 : 0);
+            }
+          }
+        } else {
+          // k-rows rb + RPP i of BN/64 atoms [64 k][64 n]
+          const long long step = RPP * ldb;
+          const T* src = Be + b_off0 + (long long)k0 * ldb;
+#pragma unroll
+          for (int i = 0; i < BK / RPP; ++i, src += step) {
+            const int r = rb + RPP * i;
+            const bool ok = b_ok && k0 + r < Kd;
+            sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
+                               ok ? src : B, ok ? 16 : 0);
+          }
+        }
+        sm90::producer_signal<STAGES>(full0, it, stage);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+    if (tid == 0) {
+      // end of the CTA's tiles: a descriptor with e = ~0 (the slot is free, as for a tile li)
+      sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(~0u, 0u, 0u, 0u));
+      sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+    }
+    sm90::producer_drain<STAGES>(full0, it);
+  } else {
+    // ================================ consumer warpgroups ================================
+    sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
+    const int cw = (tid >> 7) - 1;  // rows [64 cw, 64 cw + 64) of the tile
+    const int t = tid & 127;
+    const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
+    // this warp's epilogue staging (EPI_ACT, EPI_ROWSCALE), outside the ring the producer is refilling
+    const unsigned ep = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
+    // No zero-fill before the mainloop (a non-wgmma write of the accumulators would make ptxas
+    // serialize the wgmma pipeline, C7515): the first wgmma runs with scale_d = 0 instead.
+    float acc[BN / 2];
+
+    const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * ROW_BYTES, 16, 1024);
+    const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::B_OFFSET, 16, 1024)
+                                            : sm90::make_desc(sbase + C::B_OFFSET, BK * ROW_BYTES, 1024);
+    // A_ACT: this lane's ldmatrix.x4 row (block q = lane / 8: rows + 8 (q % 2), k chunk + q / 2) in the A tile
+    const int a_q = lane >> 3, a_r = lane & 7;
+    const unsigned a_row_off = static_cast<unsigned>((cw * 64 + wq * 16 + (a_q & 1) * 8 + a_r) * ROW_BYTES);
+    constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * ROW_BYTES) >> 4;  // k16 step, encoded
+
+    int stage = 0;
+    unsigned phase = 0;
+    for (int li = 0;; ++li) {  // the producer's tiles, in its order, until its end descriptor
+      sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
+      const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
+      if (ti.x == ~0u) break;
+      const int e = static_cast<int>(ti.x), m0 = static_cast<int>(ti.y), m_end = static_cast<int>(ti.z);
+      const int tn = static_cast<int>(ti.w);
+      const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+
+      auto issue = [&](unsigned long long soff, int kt) {
+        if constexpr (A_ACT) {
+          // the k-tile's A fragments from shared memory (z, 128-byte swizzled rows), activated in fp32, rounded
+          const unsigned st = sbase + (static_cast<unsigned>(soff) << 4) + a_row_off;
+          unsigned af[BK / 16][4];
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks) {
+            const unsigned off = static_cast<unsigned>(((2 * ks + (a_q >> 1)) ^ a_r) << 4);
+            unsigned g[4];
+            sm90::ldmatrix_x4_s(g, st + off);
+            if constexpr (A2) {
+              unsigned u[4];
+              sm90::ldmatrix_x4_s(u, st + C::A_BYTES + off);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float2 a = sm90::unpack2<T>(g[i]), b = sm90::unpack2<T>(u[i]);
+                af[ks][i] = sm90::pack2<T>(gated_f<ACT>(a.x, b.x), gated_f<ACT>(a.y, b.y));
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float2 a = sm90::unpack2<T>(g[i]);
+                af[ks][i] = sm90::pack2<T>(act_f<ACT>(a.x), act_f<ACT>(a.y));
+              }
+            }
+          }
+          sm90::wgmma_fence();  // the A registers were written by other instructions
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            sm90::WgmmaRs<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, af[ks], db0 + soff + ks * B_KSTEP, (kt | ks) != 0);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < BK / 16; ++ks)
+            sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
+                                                               (kt | ks) != 0);
+        }
+      };
+      // A_ACT: the A registers are rewritten every k-tile, so each k-tile's wgmmas finish before the next is read
+      // (the other consumer warpgroup's wgmmas overlap this one's activation math)
+      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, A_ACT ? 0 : 1>(
+          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue);
+
+      // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) --------------------
+      const int srow0 = m0 + cw * 64;     // slot of warpgroup row 0
+      const int wrow0 = srow0 + 16 * wq;  // slot of the warp's first row
+      const int fr = sm90::acc_row(0, t) - 16 * wq, fc = sm90::acc_col(0, t);  // fragment row (in the warp), column
+      if constexpr (EPI == EPI_ACT) {
+        // In passes of P output columns through the warp's staging: the activation h and the pre-activations z
+        // (gated: gate and up parts) go out as 16-byte row copies. A tile covers NC output columns (gated: BN / 2
+        // of h, with the matching gate and up columns of z).
+        constexpr int NC = GATED ? BN / 2 : BN;
+        constexpr int P = GATED ? 32 : 64, NARR = GATED ? 3 : 2, ARR = 16 * P * 2;
+        static_assert(NARR * ARR <= sm90::EPI_WARP_BYTES, "act staging fits in the warp's area");
+        const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+        T* hout = (flags & 1) ? out : nullptr;
+        T* zout = (flags & 2) ? out2 : nullptr;
+        const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
+#pragma unroll
+        for (int p = 0; p < NC / P; ++p) {
+          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+            if constexpr (GATED) {
+              constexpr int UP = BN / 16;  // column groups between a gate column and its up column
+              float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
+              float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
+              sm90::add_bias2(be, n0 + c, N, a0, a1);
+              sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1);
+              // hcur from z as stored (rounded to T), as the A_ACT second GEMM and the backward recompute it
+              const unsigned zav = sm90::pack2<T>(a0, a1), zbv = sm90::pack2<T>(b0, b1);
+              const float2 ar = sm90::unpack2<T>(zav), br = sm90::unpack2<T>(zbv);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(ar.x, br.x), gated_f<ACT>(ar.y, br.y)));
+              sm90::st_shared_u32(za + off, zav);
+              sm90::st_shared_u32(zb + off, zbv);
+            } else {
+              float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
+              sm90::add_bias2(be, n0 + c, N, z0, z1);
+              const unsigned zv = sm90::pack2<T>(z0, z1);
+              const float2 zr = sm90::unpack2<T>(zv);
+              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
+              sm90::st_shared_u32(za + off, zv);
+            }
+          }, [&](int rl, unsigned off, int col) {
+            const int s = wrow0 + rl, nc = n0 + col;
+            if (s < m_end && nc < N) {
+              if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
+              if (zout) {
+                T* zr = zout + (long long)s * ldo2 + nc;
+                *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
+                if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
+              }
+            }
+          });
+        }
+      } else if constexpr (EPI == EPI_ROWSCALE) {
+        // (acc + bias) * gate, in passes of P columns through the warp's staging for 16-byte row stores
+        constexpr int P = 128;
+        static_assert(16 * P * 2 <= sm90::EPI_WARP_BYTES, "rowscale staging fits in the warp's area");
+        const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+        float gs[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
+        }
+#pragma unroll
+        for (int p = 0; p < BN / P; ++p) {
+          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+            float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
+            sm90::add_bias2(be, n0 + c, N, o0, o1);
+            sm90::st_shared_u32(ep + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+          }, [&](int rl, unsigned off, int col) {
+            const int s = wrow0 + rl, nc = n0 + col;
+            if (s < m_end && nc < N)
+              *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(ep + off);
+          });
+        }
+      } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
+        // The z rows are read and dz / g*hcur written through the (idle) stage ring with 16-byte row
+        // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps
+        // = 192 KB of the 196 KB ring). 16-byte chunks are XOR-swizzled by row (chunk ^ (row & 7)), which keeps
+        // both the row copies and the fragment-pattern 4-byte accesses free of bank conflicts.
+        constexpr bool G2 = act_gated(ACT);
+        constexpr int RB = BN * 2;                         // bytes per staged row
+        constexpr int ARR = 16 * RB;                       // bytes per staged 16-row array
+        constexpr int NARR = G2 ? 3 : 2;
+        constexpr int CPR = BN / EPC, RPI = 32 / CPR;      // chunks per row; rows per warp instruction
+        static_assert(8 * NARR * ARR <= STAGES * C::STAGE_BYTES, "dhcur staging fits in the stage ring");
+        const unsigned za = sbase + static_cast<unsigned>((cw * 4 + wq) * NARR * ARR);
+        const unsigned zb = za + ARR, hs = za + (NARR - 1) * ARR;
+        auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
+        const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+        sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+        // every z chunk of the warp's rows in flight at once (cp.async straight into the staging; zero-filled
+        // past the expert's rows or the last column), then one wait
+#pragma unroll
+        for (int i = 0; i < 16 / RPI; ++i) {
+          const int rl = RPI * i + ro, s = wrow0 + rl;
+          const bool ok = s < m_end && nc < N;
+          const T* zr = aux + (long long)s * ldaux + nc;
+          sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
+          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
+        }
+        sm90::cp_async_wait_all();
+        __syncwarp();
+        float gs[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          gs[h] = (s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 0.f;
+        }
+        // The fragment's pairs in batches of JB column groups: the batch's z loads are issued together, so a
+        // warp waits for shared memory once per batch instead of once per pair (the volatile shared-memory
+        // accesses keep program order). Same visiting order as wg_for_each_pair: psum adds in a fixed order.
+        {
+          constexpr int JB = 8;
+          const int r0 = sm90::acc_row(0, t) - 16 * wq, c0 = sm90::acc_col(0, t);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int rl = r0 + 8 * h;
+#pragma unroll
+            for (int jb = 0; jb < BN / 8; jb += JB) {
+              unsigned av[JB], bv[JB];
+#pragma unroll
+              for (int u = 0; u < JB; ++u) {
+                const int c = c0 + 8 * (jb + u);
+                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                av[u] = sm90::ld_shared_u32(za + off);
+                bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+              }
+#pragma unroll
+              for (int u = 0; u < JB; ++u) {
+                const int c = c0 + 8 * (jb + u);
+                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                const int i = sm90::acc_reg(jb + u, h);
+                const float2 a = sm90::unpack2<T>(av[u]);
+                const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
+                const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
+                sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
+                if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
+                psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+              }
+            }
+          }
+        }
+        __syncwarp();
+#pragma unroll 1
+        for (int i = 0; i < 16 / RPI; ++i) {
+          const int rl = RPI * i + ro, s = wrow0 + rl;
+          if (s < m_end && nc < N) {
+            T* dzr = out + (long long)s * ldo + nc;
+            *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
+            if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
+            *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+          }
+        }
+        // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = psum[h];
+          v += __shfl_xor_sync(0xffffffffu, v, 1);
+          v += __shfl_xor_sync(0xffffffffu, v, 2);
+          const int s = srow0 + sm90::acc_row(2 * h, t);
+          if ((t & 3) == 0 && s < m_end) part[(long long)s * part_ld + tn] = v;
+        }
+        // B_TMA: the producer refills the ring through the async proxy; order this thread's generic accesses of
+        // the staging (cp.async, st.shared, ld.shared) before those writes
+        if constexpr (B_TMA) sm90::fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(epi_done);  // this warp is done with the ring: the producer may refill it
+      }
+    }
+  }
+#else
+  // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
+  __trap();
+#endif
+}
+
+}  // namespace blz

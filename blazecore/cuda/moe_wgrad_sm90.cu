@@ -1,0 +1,302 @@
+#include "sm90_common.cuh"
+
+namespace blz {
+
+// ---- K-grouped weight gradient (MODE_K, EPI_WGRAD) -------------------------------------------------------
+//
+//   W_e[m, n] = sum over slots s in [offsets[e], offsets[e+1]), in slot order, of A[rowA(s), m] * B[rowB(s), n]
+//   rowA(s) = slot_token[s] (A_GATHER) or s; rowB(s) likewise (B_GATHER); W is (E, M, N) row-major (o_estride).
+//
+// CTA = (expert e, 128-row m-tile, BN-column n-tile), 1-D grid, expert-major:
+//   bid = (e * tiles_m + tm) * tiles_n + tn,  tiles_m = ceil(M / 128), tiles_n = ceil(N / BN).
+// One CTA reduces all of the expert's slots in order (no split-K, no atomics: deterministic); an expert with
+// no slots writes zeros. Same warpgroup roles, stage ring, barriers and register split as moe_gemm_sm90.
+// The reduction dim is the row index of both operands, so both tiles are stored MN-major:
+//   A stage: 2 atoms [64 slots][64 m] (8 KB each); atom a = columns m0 + [64 a, 64 a + 64) = the rows of
+//            consumer warpgroup a; k-row r at r * 128, 16-byte chunk j (columns 8j..8j+7) at j ^ (r % 8).
+//   B stage: BN / 64 atoms [64 slots][64 n], the same as moe_gemm_sm90's N-major B.
+//   Descriptors: LBO = 8192 (next 64-column atom; never used for A, whose 64 rows are one atom), SBO = 1024
+//   (next 8 slots), k16 step = 2048 bytes; wgmma runs with transpose-A = transpose-B = 1.
+// Producer: warp w copies k-rows [16 w, 16 w + 16) of each k-tile. Lanes 0..15 (and their twins 16..31)
+// hold the gather index slot_token[s] of row 16 w + (lane % 16), loaded one k-tile ahead; the gathered
+// operand's row index reaches the copying lane by __shfl_sync. A row is 128 columns = 16 chunks (2 rows
+// per warp instruction), a B row BN / 8 chunks (BN = 256: 1 row, 512 contiguous bytes per instruction).
+// Slots past the expert's end and columns >= M / N are zero-filled (src-size 0).
+// Epilogue: after a consumer-only named barrier (every wgmma of both warpgroups has finished reading the
+// ring), each consumer warp converts its 16 rows x BN columns to T into a private staging area in the
+// ring (row pitch BN * 2 + 16 bytes: the fragment writes are bank-conflict free), then stores whole
+// 16-byte chunks row by row (coalesced); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
+// Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
+// Parameter list = moe_gemm's; used: A, lda, B, ldb, slot_token, offsets, num_experts, M, N, out, ldo,
+// o_estride. Kd, b_estride, tile_offsets and the epilogue extras are ignored.
+// Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
+// dynamic shared memory = sm90::Cfg<BN, false>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
+
+// OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
+// wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
+// A_TMA: the slot-indexed A tile comes by TMA (tmap_a: 2-D (M, rows of A), box (64, 64), 128-byte swizzle, zero
+// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so
+// in a reduction tile shorter than 64 slots (an expert's or a token block's last) the rows past it hold the next
+// slots' values: each consumer warpgroup zeroes those rows of its own A atom before its wgmmas read the stage, so
+// every product matches the cp.async path's (which zero-fills them) bit for bit, NaN and Inf included.
+template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
+          bool A_TMA = false>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
+    const T* __restrict__ A, long long lda,
+    const T* __restrict__ B, long long ldb, long long b_estride,
+    const int* __restrict__ slot_token,
+    const int* __restrict__ slot_k,
+    const int* __restrict__ offsets,
+    const int* __restrict__ tile_offsets,
+    int num_experts, int M, int N, int Kd,
+    T* __restrict__ out, long long ldo, long long o_estride,
+    T* __restrict__ out2, long long ldo2,
+    const T* __restrict__ aux, long long ldaux,
+    const T* __restrict__ bias, long long bias_estride,
+    const float* __restrict__ gates, int topk,
+    float* __restrict__ part, int part_ld,
+    int flags,
+    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
+    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
+    const __grid_constant__ sm90::TmaMap tmap_a) {                 // A_TMA: the A operand's tensor map
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
+  constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
+  using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
+  constexpr int STAGES = C::STAGES;
+  constexpr int EPC = 8;                         // elements per 16-byte chunk
+  constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
+  static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");
+  extern __shared__ unsigned char sm90_smem[];
+  const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+
+  // ---- which tile (as moe_gemm MODE_K) -----------------------------------------------------------------
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const long long per_e = (long long)tiles_m * tiles_n;
+  const long long bid = blockIdx.x;
+  const int e = static_cast<int>(bid / per_e);
+  if (e >= num_experts) return;
+  const int rt = static_cast<int>(bid % per_e);
+  const int m0 = (rt / tiles_n) * BM, n0 = (rt % tiles_n) * BN;
+  const int slot_lo = __ldg(offsets + e);
+  const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
+  const int num_kt = ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);  // tiles of KTileWalk
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 128 + (A_TMA ? 1 : 0));    // one per producer thread (+ A_TMA's expect_tx)
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================================ producer warpgroup ================================
+    sm90::setmaxnreg_dec<sm90::PRODUCER_REGS>();
+    constexpr int CPA = BM / EPC, RPA = 32 / CPA;  // A: 16 chunks per k-row, 2 k-rows per warp instruction
+    constexpr int CPB = BN / EPC, RPB = 32 / CPB;  // B: 32 (16) chunks per k-row, 1 (2) k-rows per instruction
+    constexpr int ROWS_W = BK / 4;                 // k-rows per producer warp
+    static_assert(ROWS_W == 16 && 32 % CPA == 0 && 32 % CPB == 0, "producer warp map");
+    const int lane = tid & 31, rw = (tid >> 5) * ROWS_W;
+    const int ca = lane % CPA, ra = lane / CPA, cb = lane % CPB, rb = lane / CPB;
+    const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
+    const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
+    const T* Bc = B + n0 + cb * EPC;
+    // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
+    const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
+    const unsigned b_dst = static_cast<unsigned>((cb >> 3) * ATOM_BYTES + ((cb & 7) << 4));
+    // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
+    KTileWalk<BK> walk(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);
+    auto gather_row = [&](int t0, int tend) -> int {
+      const int s = t0 + rw + (lane & 15);
+      return s < tend ? __ldg(slot_token + s) : -1;
+    };
+    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
+    if constexpr (A_TMA) {
+      if (tid == 0) sm90::tma_prefetch_map(&tmap_a);
+    }
+
+    int stage = 0;
+    unsigned phase = 0;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      const int tok = tok_next;
+      const int t0 = walk.t0, tend = walk.end();
+      walk.next();
+      if constexpr (A_GATHER || B_GATHER) {
+        if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
+      }
+      if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+      if constexpr (A_TMA) {
+        // one thread raises the stage's transaction count by the A tile's bytes and issues its two boxes
+        if (tid == 0) {
+          const unsigned bar = full0 + 8 * stage;
+          sm90::mbar_arrive_expect_tx(bar, C::A_BYTES);
+          sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
+          sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
+        }
+      } else {
+#pragma unroll
+      for (int i = 0; i < ROWS_W / RPA; ++i) {
+        const int rl = RPA * i + ra;  // k-row within the warp's 16
+        const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
+        int row;
+        if constexpr (A_GATHER) {
+          row = __shfl_sync(0xffffffffu, tok, rl);
+        } else {
+          row = (t0 + r < tend) ? t0 + r : -1;
+        }
+        const bool ok = a_cok && row >= 0;
+        sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                           ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
+      }
+      }
+#pragma unroll
+      for (int i = 0; i < ROWS_W / RPB; ++i) {
+        const int rl = RPB * i + rb;
+        const int r = rw + rl;
+        int row;
+        if constexpr (B_GATHER) {
+          row = __shfl_sync(0xffffffffu, tok, rl);
+        } else {
+          row = (t0 + r < tend) ? t0 + r : -1;
+        }
+        const bool ok = b_cok && row >= 0;
+        sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                           ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
+      }
+      sm90::producer_signal<STAGES>(full0, kt, stage);
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    sm90::producer_drain<STAGES>(full0, num_kt);
+  } else {
+    // ================================ consumer warpgroups ================================
+    sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
+    const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
+    const int t = tid & 127;
+    float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
+    // CARRY_IN (flags & 1): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
+    // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Loading the
+    // accumulators with ordinary instructions makes ptxas serialize the wgmma pipeline (C7515), so only the
+    // CARRY_IN instantiation, used by the second and later chunks of a chunked backward, has that code.
+    const int ct = tid - 128;
+    float* cslice = carry + (long long)bid * (BN / 2) * 256 + ct;  // this thread's column of the CTA's slice
+    const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
+    if (carry_in) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
+    }
+
+    const unsigned long long da0 = sm90::make_desc(sbase + cw * ATOM_BYTES, ATOM_BYTES, 1024);
+    const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
+    constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
+
+    int stage = 0;
+    unsigned phase = 0;
+    // A_TMA: the consumers walk the reduction tiles too, for each tile's length
+    KTileWalk<BK> cwalk(kblocks, e, num_kblocks, slot_lo, slot_lo + (A_TMA ? cnt : 0));
+    auto zero_tail = [&](unsigned long long soff, int) {
+      if constexpr (A_TMA) {
+        const int valid = cwalk.end() - cwalk.t0;
+        cwalk.next();
+        if (valid < BK) {  // rows [valid, 64) of this warpgroup's A atom hold the next slots: zero them
+          const unsigned base = sbase + static_cast<unsigned>(soff << 4) + cw * ATOM_BYTES + valid * ROW_BYTES;
+          for (int i = t; i < (BK - valid) * (ROW_BYTES / 16); i += 128)
+            sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+          sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
+          // the warpgroup's stores all done before any of its wgmmas (one named barrier per warpgroup)
+          if (cw == 0) {
+            asm volatile("bar.sync 2, 128;\n" ::: "memory");
+          } else {
+            asm volatile("bar.sync 3, 128;\n" ::: "memory");
+          }
+        }
+      }
+    };
+    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
+                                    [&](unsigned long long soff, int kt) {
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks)
+        sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
+                                               carry_in || (kt | ks) != 0);
+    }, carry_in, zero_tail);  // an expert without slots leaves zero accumulators (or the carried sums)
+    if (flags & 2) {  // partial sums for the next chunk's launch instead of the gradient
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
+      return;
+    }
+
+    T* oe = out + (long long)e * o_estride;
+    const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
+                       (o_estride & 7) == 0;  // every 8-element chunk of W starts 16-byte aligned
+    auto store16 = [&](T* dst, uint4 v) {
+      if (vec16) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        unsigned* d4 = reinterpret_cast<unsigned*>(dst);
+        d4[0] = v.x; d4[1] = v.y; d4[2] = v.z; d4[3] = v.w;
+      }
+    };
+    const int lane = t & 31;
+    if constexpr (OUT_T) {
+      // ---- epilogue: the whole 128 x BN tile staged transposed ([BN rows n][128 m], 256 bytes a row, 16-byte
+      // chunks XOR-swizzled by n), then 16-byte stores along m of each output row n.
+      constexpr int TRB = BM * 2, TCPR = BM / EPC, TRPI = 32 / TCPR;  // 256 B rows, 16 chunks, 2 rows / instr
+      static_assert(BN * TRB <= STAGES * C::STAGE_BYTES, "transposed staging fits in the stage ring");
+      auto toff = [](int n, int m) {
+        return static_cast<unsigned>(n * TRB + ((((m >> 3) ^ (n & 15)) << 4)) + (m & 7) * 2);
+      };
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
+        const int m = cw * 64 + r;
+        sm90::st_shared_u16(sbase + toff(c, m), sm90::pack1<T>(v0));
+        sm90::st_shared_u16(sbase + toff(c + 1, m), sm90::pack1<T>(v1));
+      });
+      sm90::consumer_bar_sync();
+      // ct: 0..255 over both consumer warpgroups
+      const int co = ct % TCPR, ro = ct / TCPR;  // chunk of m; first staged row n
+#pragma unroll 1
+      for (int nr = ro; nr < BN; nr += 256 / TCPR) {
+        const int n = n0 + nr, m = m0 + co * EPC;
+        if (n < N && m < M) store16(oe + (long long)n * ldo + m, sm90::ld_shared_v4(sbase + toff(nr, co * EPC)));
+      }
+      (void)TRPI;
+    } else {
+      // ---- epilogue: stage each warp's 16 x BN rows as T, then 16-byte row-wise stores ----------------
+      constexpr int PITCH = BN * 2 + 16;  // bytes per staged row; 16-byte pad: conflict-free fragment writes
+      constexpr int CPO = BN / EPC, RPO = 32 / CPO;  // output chunks per row, rows per warp instruction
+      static_assert(8 * 16 * PITCH <= STAGES * C::STAGE_BYTES, "staging fits in the stage ring");
+      const int wq = t >> 5;  // warp wq of the warpgroup owns rows [16 wq, 16 wq + 16)
+      const unsigned stg = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * PITCH);
+      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
+      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
+        sm90::st_shared_u32(stg + (r - 16 * wq) * PITCH + c * 2, sm90::pack2<T>(v0, v1));
+      });
+      __syncwarp();
+      const int co = lane % CPO, ro = lane / CPO;
+      const int n = n0 + co * EPC;
+      const int mrow0 = m0 + cw * 64 + wq * 16;
+#pragma unroll
+      for (int i = 0; i < 16 / RPO; ++i) {
+        const int rr = RPO * i + ro;
+        const uint4 v = sm90::ld_shared_v4(stg + rr * PITCH + co * 16);
+        const int m = mrow0 + rr;
+        if (m < M && n < N) store16(oe + (long long)m * ldo + n, v);
+      }
+    }
+  }
+#else
+  // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
+  __trap();
+#endif
+}
+
+}  // namespace blz

@@ -1,0 +1,233 @@
+// What the sm_90a expert GEMMs share (moe_gemm_sm90.cu, moe_wgrad_sm90.cu): tile constants, the shared-memory
+// layout (Cfg), the accumulator fragment of wgmma m64nNk16, the producer's and consumers' pipeline steps and the
+// staged epilogue helpers. PTX wrappers: sm90_ptx.cuh; TMA: sm90_tma.cuh.
+#pragma once
+#include "moe_common.cuh"
+#include "sm90_ptx.cuh"
+#include "sm90_tma.cuh"
+
+namespace blz {
+
+
+#ifndef BLZ_SM90_PRODUCER_FENCE
+#define BLZ_SM90_PRODUCER_FENCE 0
+#endif
+
+namespace sm90 {
+
+constexpr int BM = 128;            // two consumer warpgroups x 64 rows
+constexpr int BK = 64;             // 16-bit elements: one 128-byte swizzled row per k-tile
+constexpr int ROW_BYTES = 128;
+constexpr int CONSUMER_WGS = 2;
+constexpr int THREADS = 128 * (1 + CONSUMER_WGS);
+constexpr int PRODUCER_REGS = 72;  // setmaxnreg: 128 x 72 + 256 x 216 = 64512 = 384 x 168
+constexpr int CONSUMER_REGS = 216;
+
+constexpr int EPI_WARP_BYTES = 4096;  // per consumer warp: epilogue staging outside the stage ring
+constexpr int INFO_SLOTS = 8;          // tile descriptors in flight from the producer to the consumers
+
+// Shared memory (base aligned to 1024): the stage ring, the consumer warps' epilogue staging, then the
+// mbarriers (STAGES full, STAGES empty, 1 epilogue-done, INFO_SLOTS tile-info; 16-byte aligned end) and the
+// INFO_SLOTS tile descriptors (16 bytes each). STAGING = false (the weight-gradient kernel): no epilogue staging, no tile descriptors.
+// A_TILES = 2 (a gated A_ACT GEMM): each stage holds two A tiles, the gate and the up columns of z, before the B
+// tile, and the ring is 3 stages deep.
+template <int BN, bool STAGING = true, int A_TILES = 1> struct Cfg {
+  static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
+  static_assert(A_TILES == 1 || A_TILES == 2, "one or two A tiles a stage");
+  static constexpr int STAGES = A_TILES == 2 ? 3 : (BN == 256) ? 4 : 6;
+  static constexpr int A_BYTES = BM * ROW_BYTES;     // 16 KB
+  static constexpr int B_BYTES = BN * ROW_BYTES;     // 32 KB (BN = 256) or 16 KB
+  static constexpr int B_OFFSET = A_TILES * A_BYTES;  // the B tile's offset in a stage
+  static constexpr int STAGE_BYTES = B_OFFSET + B_BYTES;
+  static constexpr int EPI_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int BAR_OFFSET = EPI_OFFSET + (STAGING ? 4 * CONSUMER_WGS * EPI_WARP_BYTES : 0);
+  static constexpr int NINFO = STAGING ? INFO_SLOTS : 0;
+  static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + (STAGING ? 1 : 0) + NINFO) + 15) & ~15);
+  static constexpr int SMEM_BYTES = 1024 + INFO_OFFSET + 16 * NINFO;  // + slack to align the base to 1024
+  static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
+};
+
+// ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
+// Thread t (0..127) of the warpgroup holds N/2 floats. Register i sits at
+//   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2)          (within the warpgroup's 64 rows)
+//   col = 8 (i / 4) + 2 (t % 4) + (i % 2)                       (within N)
+// so registers 4j + 2h + {0, 1} are the adjacent columns 8j + 2(t % 4) + {0, 1} of row slot h.
+__device__ __forceinline__ int acc_row(int i, int t) {
+  return ((t >> 5) << 4) + ((t & 31) >> 2) + (((i >> 1) & 1) << 3);
+}
+__device__ __forceinline__ int acc_col(int i, int t) { return ((i >> 2) << 3) + ((t & 3) << 1) + (i & 1); }
+__host__ __device__ constexpr int acc_reg(int j, int h) { return 4 * j + 2 * h; }
+
+// f(h, row, col, v0, v1) for every pair of adjacent columns the thread holds; h in {0, 1} is the row
+// slot (row = acc_row(0, t) + 8 h) and is a compile-time constant after unrolling, so per-row state
+// kept in 2-element arrays indexed by h stays in registers. Rows are visited in order, each row's
+// columns left to right.
+template <int N, class F>
+__device__ __forceinline__ void wg_for_each_pair(const float (&acc)[N / 2], int t, F&& f) {
+  const int r = acc_row(0, t), c = acc_col(0, t);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) f(h, r + 8 * h, c + 8 * j, acc[acc_reg(j, h)], acc[acc_reg(j, h) + 1]);
+}
+// Gated tiles: f(h, row, col, a0, a1, b0, b1) for col < N/2, with (a0, a1) the gate columns col, col+1
+// and (b0, b1) the up columns col + N/2, col + N/2 + 1 (registers N/4 further on).
+template <int N, class F>
+__device__ __forceinline__ void wg_for_each_gated_pair(const float (&acc)[N / 2], int t, F&& f) {
+  const int r = acc_row(0, t), c = acc_col(0, t);
+  constexpr int UP = N / 16;  // column groups between a gate column and its up column
+  static_assert(acc_reg(UP, 0) == N / 4, "gate/up register distance");
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < N / 16; ++j)
+      f(h, r + 8 * h, c + 8 * j, acc[acc_reg(j, h)], acc[acc_reg(j, h) + 1], acc[acc_reg(j + UP, h)],
+        acc[acc_reg(j + UP, h) + 1]);
+}
+
+// Producer, after issuing the copies of k-tile kt into `stage`: make them visible to the consumers.
+// Default: the stage's full barrier completes when every producer thread's copies have landed
+// (cp.async.mbarrier.arrive.noinc); the consumers fence into the async proxy after their wait.
+// BLZ_SM90_PRODUCER_FENCE: the producer waits for tile kt - LAG itself, fences, then arrives.
+template <int STAGES> __device__ __forceinline__ void producer_signal(unsigned full0, int kt, int stage) {
+#if BLZ_SM90_PRODUCER_FENCE
+  constexpr int LAG = STAGES - 2;
+  cp_async_commit();
+  if (kt >= LAG) {
+    cp_async_wait<LAG>();
+    fence_proxy_async_smem();
+    mbar_arrive(full0 + 8 * ((stage + STAGES - LAG) % STAGES));
+  }
+#else
+  cp_async_arrive_noinc(full0 + 8 * stage);
+#endif
+}
+
+// Producer, after its last k-tile: let every copy land (and signal the tiles still owed).
+template <int STAGES> __device__ __forceinline__ void producer_drain(unsigned full0, int num_kt) {
+#if BLZ_SM90_PRODUCER_FENCE
+  cp_async_wait<0>();
+  fence_proxy_async_smem();
+  for (int kt = num_kt - (num_kt < STAGES - 2 ? num_kt : STAGES - 2); kt < num_kt; ++kt)
+    mbar_arrive(full0 + 8 * (kt % STAGES));
+#else
+  cp_async_wait_all();
+#endif
+}
+
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+template <typename T> __device__ __forceinline__ unsigned short pack1(float a) {
+  const T v = from_f<T>(a);
+  return *reinterpret_cast<const unsigned short*>(&v);
+}
+// Named barrier 1 over the two consumer warpgroups (the producer warpgroup does not take part).
+__device__ __forceinline__ void consumer_bar_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(128 * CONSUMER_WGS) : "memory");
+}
+template <typename T> __device__ __forceinline__ float2 unpack2(unsigned v);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(unsigned v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+// Byte offset of 16-byte chunk ch of row rl in a staging array of CPR chunks per row. The chunk index is XORed
+// with a row hash so that the fragment's 4-byte accesses (8 rows x 4 lanes, one chunk column) are free of bank
+// conflicts: rows of >= 128 bytes use row % 8; 64-byte rows (two per 128 bytes) use (row / 2) % 4.
+template <int CPR> __device__ __forceinline__ unsigned stage_off(int rl, int ch) {
+  static_assert(CPR == 4 || CPR == 8 || CPR == 16 || CPR == 32, "staging rows of 64 to 512 bytes");
+  constexpr int SW = CPR < 8 ? CPR : 8, RP = 8 / SW;
+  return static_cast<unsigned>(rl * CPR * 16 + ((ch ^ ((rl / RP) % SW)) << 4));
+}
+// One pass of a staged epilogue over the output columns [p P, p P + P) of the warp's 16 fragment rows (fr, fc:
+// the thread's first fragment row within the warp and column). put(h, j, c, off) for every pair of columns the
+// thread holds there, in wg_for_each_pair order (j: column group, c: column in the tile, off: the pair's byte
+// offset in a staging array of P columns); then, once the warp's writes are visible, copy(rl, off, col) for this
+// lane's 16-byte chunks (row rl of the warp, chunk offset off, first column col in the tile). The closing
+// __syncwarp lets the next pass (or tile) rewrite the staging.
+template <int P, class Put, class Copy>
+__device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put&& put, Copy&& copy) {
+  constexpr int PCPR = P / 8, RPI = 32 / PCPR;  // 16-byte chunks per staged row; rows per warp instruction
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int jj = 0; jj < P / 8; ++jj) {
+      const int j = p * (P / 8) + jj, c = fc + 8 * j;
+      put(h, j, c, stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2);
+    }
+  __syncwarp();
+  const int co = lane % PCPR, ro = lane / PCPR;
+#pragma unroll
+  for (int i = 0; i < 16 / RPI; ++i) copy(RPI * i + ro, stage_off<PCPR>(RPI * i + ro, co), p * P + co * 8);
+  __syncwarp();
+}
+// v0, v1 += the bias columns col, col + 1 (be: the expert's bias row; none, or col >= n: unchanged)
+template <typename T>
+__device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0, float& v1) {
+  if (be && col < n) {
+    float x0, x1;
+    load2<T>(be + col, x0, x1);
+    v0 += x0;
+    v1 += x1;
+  }
+}
+// Consumer mainloop shared by both kernels: for each k-tile, wait for its stage, order the cp.async writes
+// before the async-proxy reads, issue the tile's wgmmas (issue(stage byte offset >> 4, kt)), keep one wgmma
+// group in flight and release the previous stage to the producer. Ends with every group complete; an empty
+// reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
+// stage / phase: the ring position of the first k-tile, advanced past the last; every stage read is released,
+// so a persistent CTA continues with the next tile's k-tiles.
+// prep(stage byte offset >> 4, kt), when given, runs after the stage's wait and before the wgmma fence: shared-memory
+// fix-ups of the stage (it orders them before the wgmmas itself).
+struct NoPrep {
+  __device__ __forceinline__ void operator()(unsigned long long, int) const {}
+};
+template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep>
+__device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
+                                                  int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
+                                                  bool keep_acc = false, P&& prep = P()) {
+  int prev = 0;
+  for (int kt = 0; kt < num_kt; ++kt) {
+    mbar_wait(full0 + 8 * stage, phase);
+#if !BLZ_SM90_PRODUCER_FENCE
+    fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
+#endif
+    prep(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
+    fence_regs(acc);
+    wgmma_fence();
+    issue(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
+    wgmma_commit();
+    wgmma_wait<INFLIGHT>();  // the k-tile before this one is done (INFLIGHT 1): its stage can be refilled
+    fence_regs(acc);
+    if constexpr (INFLIGHT == 0) {
+      // every consumer thread read the stage itself (ldmatrix), so each releases it: the empty barrier counts
+      // 128 * CONSUMER_WGS arrivals for these kernels
+      mbar_arrive(empty0 + 8 * stage);
+    } else {
+      if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+    }
+    prev = stage;
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+  fence_regs(acc);
+  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+  if (num_kt == 0 && !keep_acc) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.f;
+  }
+}
+
+}  // namespace sm90
+}  // namespace blz
