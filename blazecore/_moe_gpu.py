@@ -275,12 +275,19 @@ class _Kernels:
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
 
+    def module_names(self, kv: KernelVariant):
+        """The name expressions of the module (one NVRTC program of ``kv.file``) that holds ``kv``'s kernel."""
+        if kv.file == _FILE90:
+            return _module_names90(self.ct, self.act)
+        if kv.file == _FILE_WGRAD90:
+            return _wgrad_names90(self.ct)
+        return self.names
+
     def gemm(self, which, carry_in=False, b_load=None):
         """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
         kv = self.variant(which, carry_in, b_load)
-        names = {_FILE90: lambda: _module_names90(self.ct, self.act), _FILE_WGRAD90: lambda: _wgrad_names90(self.ct),
-                 _FILE: lambda: self.names}[kv.file]()
-        return _compile.get_function(kv.file, kv.name, module_names=names, max_dynamic_smem=kv.smem), kv
+        return _compile.get_function(kv.file, kv.name, module_names=self.module_names(kv),
+                                     max_dynamic_smem=kv.smem), kv
 
     def tiles_n(self, which, n, gated=False):
         bn = self.variant(which).bn

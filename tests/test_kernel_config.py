@@ -74,8 +74,8 @@ def _activations():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_launchable_kernel_is_registered(arch):
     """Every kernel a launcher can ask for (each dtype, activation, weight layout, GEMM path, GEMM role, carry and
-    dense-operand load) is registered in the file the launcher loads it from, so the CPU compile check covers it
-    and the module that holds it is the one built."""
+    dense-operand load) is registered in the file the launcher loads it from (so the CPU compile check covers it)
+    and is among the names of the module the launcher builds for it."""
     seen = set()
     with _array.dry_run(arch):
         for dtype, act, layout, path in itertools.product((np.float32, np.float16, blazecore.BF16), _activations(),
@@ -87,6 +87,7 @@ def test_every_launchable_kernel_is_registered(arch):
                 for carry_in, b_load in itertools.product((False, True), _moe_gpu.B_LOADS):
                     kv = kern.variant(which, carry_in, b_load)
                     assert kv.name in _compile.KERNELS[kv.file], (kv.file, kv.name)
+                    assert kv.name in kern.module_names(kv), (kv.file, kv.name)  # the module it is loaded from
                     seen.add(kv.file)
             for name in _moe_gpu._helper_names(kern.ct):
                 assert name in _compile.KERNELS[_moe_gpu._FILE_HELPERS], name
