@@ -233,6 +233,13 @@ def _smem_bytes(itemsize, a_kmajor, b_kmajor):
     return STAGES * (a + b) * itemsize
 
 
+def wgmma_asked(path=None) -> bool:
+    """Whether a call with ``gemm_path=path`` asks for the wgmma kernels (they run where the GPU is a Hopper and the
+    dtype and weight layout allow): "wgmma", or None unless the environment sets BLAZECORE_SM90=0."""
+    check_gemm_path(path)
+    return path == "wgmma" if path is not None else os.environ.get("BLAZECORE_SM90", "1") != "0"
+
+
 class _Kernels:
     """The compiled functions for one (dtype, activation, weight layout)."""
 
@@ -251,11 +258,10 @@ class _Kernels:
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
         # arguments) (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run mma.sync)
-        check_gemm_path(path)
-        if path is None:
-            wgmma = _array.dry() is not None or os.environ.get("BLAZECORE_SM90", "1") != "0"
+        if path is None and _array.dry() is not None:
+            wgmma = True  # a dry run follows its own arch only
         else:
-            wgmma = path == "wgmma"
+            wgmma = wgmma_asked(path)
         self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
             _compile.device_arch() == "sm_90a" and wgmma
 

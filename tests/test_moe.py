@@ -1114,3 +1114,15 @@ def test_layer_vs_reference_on_each_gemm_path_gpu(gemm_path, case, activation, c
     y, saved, grads = _run(dev, activation, checkpoint, gemm_path=gemm_path)
     assert saved.gemm_path == gemm_path
     _check_against(y, grads, inp, _expected(case, "bf16", activation, True, "gpu"), TOL[BF16], f"{gemm_path} ")
+
+
+def test_wgmma_asked(monkeypatch):
+    """What a gemm_path asks for: the argument when given, else the environment's default (BLAZECORE_SM90)."""
+    from blazecore import _moe_gpu
+
+    monkeypatch.delenv("BLAZECORE_SM90", raising=False)
+    assert _moe_gpu.wgmma_asked() and _moe_gpu.wgmma_asked("wgmma") and not _moe_gpu.wgmma_asked("mma_sync")
+    monkeypatch.setenv("BLAZECORE_SM90", "0")
+    assert not _moe_gpu.wgmma_asked() and _moe_gpu.wgmma_asked("wgmma")
+    with pytest.raises(ValueError, match="gemm_path"):
+        _moe_gpu.wgmma_asked("sm90")
