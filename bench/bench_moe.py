@@ -356,12 +356,19 @@ def measure_memory(impl, p):
     }
 
 
-def measure(impl, p, flops, args):
-    """One row's figures: timings, TFLOP/s, held and peak bytes."""
+def _fwd_bwd(impl, p):
+    """One forward + backward of ``impl`` on problem ``p``, as a callable."""
 
-    def fwd_bwd():
+    def fn():
         y, state = impl.forward(p)
         impl.backward(p, y, state)
+
+    return fn
+
+
+def measure(impl, p, flops, args):
+    """One row's figures: timings, TFLOP/s, held and peak bytes."""
+    fwd_bwd = _fwd_bwd(impl, p)
 
     def fwd():
         impl.forward(p)
@@ -552,15 +559,10 @@ def _adapter_over_core(rows, impls, p, args):
         if core is None or adapter is None or core[1].get("status") != "ok" or adapter[1].get("status") != "ok":
             continue
 
-        def step(impl):
-            def fn():
-                y, state = impl.forward(p)
-                impl.backward(p, y, state)
-            return fn
-
         try:
-            t = common.time_calls({"core": step(core[0]), "adapter": step(adapter[0])}, warmup=args.warmup,
-                                  repeats=max(args.repeats, 20), clock="torch" if DEVICE == "cuda" else "wall")
+            t = common.time_calls({"core": _fwd_bwd(core[0], p), "adapter": _fwd_bwd(adapter[0], p)},
+                                  warmup=args.warmup, repeats=max(args.repeats, 20),
+                                  clock="torch" if DEVICE == "cuda" else "wall")
         except Exception as exc:  # the rows keep their own figures; only the paired ratio is missing
             adapter[1]["adapter_over_core_message"] = f"{type(exc).__name__}: {exc}"
             _cleanup()

@@ -401,16 +401,24 @@ def _moe_forward_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, gates:
                     b2: torch.Tensor | None, activation: str, checkpoint: str,
                     chunks: int = 1, retain_saved: bool = False,
                     weight_layout: str = "out_in") -> tuple[torch.Tensor, torch.Tensor]:
-    x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     L, K = expert_ids.shape
+    y, ab, _ = _core_forward(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout,
+                             lambda: _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K), chunks)
+    return y, ab
+
+
+def _core_forward(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout, dispatch, chunks=1):
+    """blazecore.moe_forward inside one core call: (y, ab, the core's dispatch) as tensors (ab: a (0, R) placeholder
+    under "none"); ``dispatch()`` gives the core's Dispatch (made inside the call, where the intake views exist), or
+    None to have the core build and check it."""
+    x, w13, w2, gates, b13, b2 = _detach(x, w13, w2, gates, b13, b2)
     R = w13.shape[2 if weight_layout == "in_out" else 1]
     with _core_call(x.device) as stream:
-        disp = _core_dispatch(expert_offsets, slot_token, slot_k, pair_slot, L, K)
         y, saved = blazecore.moe_forward(x, w13, w2, gates, expert_ids, activation=activation, checkpoint=checkpoint,
-                                         b13=b13, b2=b2, dispatch=disp, stream=stream, chunks=chunks,
+                                         b13=b13, b2=b2, dispatch=dispatch(), stream=stream, chunks=chunks,
                                          weight_layout=weight_layout)
         ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
-        return _to_torch(y), ab
+        return _to_torch(y), ab, saved.dispatch
 
 
 @_moe_forward_op.register_fake
@@ -511,15 +519,9 @@ _autograd(_moe_forward_op, "moe_forward", _moe_backward, _moe_setup)
 # blazecore.moe_forward, instead of between two ops whose host work would leave the GPU idle after it.
 def _moe_forward_with_dispatch(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, retain_saved,
                                weight_layout):
-    xd, w13d, w2d, gd, b13d, b2d = _detach(x, w13, w2, gates, b13, b2)
-    R = w13.shape[2 if weight_layout == "in_out" else 1]
-    with _core_call(x.device) as stream:
-        y, saved = blazecore.moe_forward(xd, w13d, w2d, gd, expert_ids, activation=activation, checkpoint=checkpoint,
-                                         b13=b13d, b2=b2d, stream=stream, weight_layout=weight_layout)
-        ab = _to_torch(saved.ab) if saved.ab is not None else x.new_empty((0, R))
-        d = saved.dispatch
-        return (_to_torch(y), ab, _to_torch(d.expert_offsets), _to_torch(d.slot_token), _to_torch(d.slot_k),
-                _to_torch(d.pair_slot))
+    y, ab, d = _core_forward(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout,
+                             lambda: None)
+    return y, ab, *(_to_torch(getattr(d, f)) for f in ("expert_offsets", "slot_token", "slot_k", "pair_slot"))
 
 
 def _with_dispatch_setup(ctx, inputs, output):

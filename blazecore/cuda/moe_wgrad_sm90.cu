@@ -142,19 +142,19 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         }
       } else {
 #pragma unroll
-      for (int i = 0; i < ROWS_W / RPA; ++i) {
-        const int rl = RPA * i + ra;  // k-row within the warp's 16
-        const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
-        int row;
-        if constexpr (A_GATHER) {
-          row = __shfl_sync(0xffffffffu, tok, rl);
-        } else {
-          row = (t0 + r < tend) ? t0 + r : -1;
+        for (int i = 0; i < ROWS_W / RPA; ++i) {
+          const int rl = RPA * i + ra;  // k-row within the warp's 16
+          const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
+          int row;
+          if constexpr (A_GATHER) {
+            row = __shfl_sync(0xffffffffu, tok, rl);
+          } else {
+            row = (t0 + r < tend) ? t0 + r : -1;
+          }
+          const bool ok = a_cok && row >= 0;
+          sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                             ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
         }
-        const bool ok = a_cok && row >= 0;
-        sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                           ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
-      }
       }
 #pragma unroll
       for (int i = 0; i < ROWS_W / RPB; ++i) {
