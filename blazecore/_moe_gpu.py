@@ -132,28 +132,27 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False):
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}{tail}>"
 
 
-def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False, b_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
     return (f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}, "
-            f"{b(a_tma)}>")
+            f"{b(a_tma)}, {b(b_tma)}>")
 
 
 def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
-    ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed A of
+    ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed B of
     a weight-gradient kernel."""
-    mode, b_kmajor, epi, act, a_gather, b_gather = v.mode, v.b_kmajor, v.epi, v.act, v.a_gather, v.b_gather
+    b_kmajor, epi, act, a_gather = v.b_kmajor, v.epi, v.act, v.a_gather
     tma = b_load == "tma"
     if which == "gemm2z":
         return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_act=True)
-    if which == "dw2":
-        # dw2 is computed transposed on sm_90a: A = g*hcur rows (M = h), B = dy rows gathered (N = d), stored
-        # as out[e][n][m], so the gathered rows give 512 contiguous bytes per k-row instead of 256
-        return _wgrad90_name(ct, False, True, out_t=True, carry_in=carry_in, a_tma=tma)
-    if mode == MODE_M:
-        return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma)
-    return _wgrad90_name(ct, a_gather, b_gather, carry_in=carry_in, a_tma=tma and not a_gather)
+    if which in ("dw2", "dw13"):
+        # the gathered rows (dy, x) are A, on the tile's 128-column side, by cp.async; the slot-indexed operand
+        # (g * hcur, dz) is B, on the 256-column side, by TMA (b_load "tma"); dw13 = dz^T x_g is computed as
+        # transposed tiles (x_g^T dz, stored as out[e][n][m])
+        return _wgrad90_name(ct, True, False, out_t=which == "dw13", carry_in=carry_in, b_tma=tma)
+    return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma)
 
 
 @functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
@@ -320,15 +319,15 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
-def _a_map(kern, A, lda, M):
-    """The tensor map of a weight-gradient kernel's slot-indexed A (see moe_wgrad_sm90's tmap_a): 2-D (M, rows of
-    A), box (64, 64); None where A cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride
-    the copy engine cannot take), and the kernel loads it by cp.async."""
+def _slot_map(kern, X, ldx, cols):
+    """The tensor map of a weight-gradient kernel's slot-indexed operand X (its B on sm_90a, see moe_wgrad_sm90's
+    tmap_b): 2-D (cols, rows of X), box (64, 64); None where X cannot go by TMA (a dry run, cp.async loads asked
+    for, an address or row stride the copy engine cannot take), and the kernel loads it by cp.async."""
     es = kern.itemsize
-    if kern.b_load != "tma" or _array.dry() is not None or A.data.ptr % 16 or (lda * es) % 16:
+    if kern.b_load != "tma" or _array.dry() is not None or X.data.ptr % 16 or (ldx * es) % 16:
         return None
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    return _tma.tiled_map(A.data.ptr, dt, (M, A.shape[0]), (lda * es,), (64, 64))
+    return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, 64))
 
 
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
@@ -338,10 +337,10 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
     # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
     carry_in = carry is not None and bool(flags & 1)
     extra, b_load = (), None
-    if kern.sm90 and which not in _M_GROUPED:  # the weight gradients: A (by slot) by TMA where it can go so
-        amap = _a_map(kern, A, lda, M)
-        b_load = "tma" if amap is not None else "cp_async"
-        extra = (_tma.null_map() if amap is None else amap,)  # the kernel's tmap_a
+    if kern.sm90 and which not in _M_GROUPED:  # the weight gradients: B (by slot) by TMA where it can go so
+        bmap = _slot_map(kern, B, ldb, N)
+        b_load = "tma" if bmap is not None else "cp_async"
+        extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
@@ -547,11 +546,11 @@ def wgrad_grids(sm90: bool, t: bool, E: int, d: int, h: int, H2: int, slices=Non
                 interleaved: bool = False) -> tuple[list[int], list[int]]:
     """CTAs of each dw13 launch and of each dw2 launch of one backward chunk, in launch order: one launch each, or
     with ``slices`` (the z-sliced backward's column slices of h) one per slice (dw13: per part, see _z_parts).
-    ``sm90``: the sm_90a kernels (256-column tiles, dw2 computed transposed); ``t``: weights stored "in_out"."""
+    ``sm90``: the sm_90a kernels (256-column tiles, dw13 computed transposed); ``t``: weights stored "in_out"."""
     bn = BN90 if sm90 else BN
     cd = lambda n, m: -(-n // m)  # noqa: E731
-    g13 = lambda m: E * (cd(d, BM) * cd(m, bn) if t else cd(m, BM) * cd(d, bn))  # noqa: E731
-    g2 = lambda w: E * (cd(w, BM) * cd(d, bn) if sm90 or t else cd(d, BM) * cd(w, bn))  # noqa: E731
+    g13 = lambda m: E * (cd(d, BM) * cd(m, bn) if t or sm90 else cd(m, BM) * cd(d, bn))  # noqa: E731
+    g2 = lambda w: E * (cd(w, BM) * cd(d, bn) if t else cd(d, BM) * cd(w, bn))  # noqa: E731
     if slices is None:
         return [g13(H2)], [g2(h)]
     gated = H2 != h
@@ -677,10 +676,6 @@ def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None
         _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
                      b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, c0:], ldo=d,
                      o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
-    elif kern.sm90:  # transposed tiles (see _name90): W^T = (g hcur)^T dy_g, stored into dw2 (E, d, h)
-        _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, :, c0:], ldo=h,
-                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
     else:
         _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
                      b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
@@ -695,9 +690,10 @@ def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, st
     ldz = dz.shape[1]
     dzp = dz[:, zc:]
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw13_at(i)}
-    if kern.t:
+    if kern.t or kern.sm90:  # "in_out": W^T = x_g^T dz, stored as is; sm_90a: the same tiles stored transposed
+        out, ldo = (dw13[:, :, row0:], H2) if kern.t else (dw13[:, row0:], d)
         _launch_gemm(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", pw), stream, A=x, lda=d, B=dzp, ldb=ldz,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=pw, Kd=0, out=dw13[:, :, row0:], ldo=H2,
+                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=pw, Kd=0, out=out, ldo=ldo,
                      o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
     else:
         _launch_gemm(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,

@@ -1032,11 +1032,11 @@ def test_act_in_operand_must_be_bool():
 @pytest.mark.parametrize("block_tokens", [pytest.param(None, id="one_block"), pytest.param(8, id="blocks_of_8")])
 @pytest.mark.parametrize("which", ["dw13", "dw2"])
 def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
-    """The sm_90a weight-gradient kernels load their slot-indexed operand A by TMA or by cp.async. A TMA box always
-    holds 64 slots, so a reduction tile shorter than that (an expert's last, or a token block's last when the
-    reduction restarts at block boundaries) brings in the next expert's rows: the kernel zeroes them. With +Inf
-    in every A row of expert 1, experts 0 and 2 must stay finite, match a float64 reference, and have the same bits
-    on both load paths."""
+    """The sm_90a weight-gradient kernels load their slot-indexed operand (dw13: dz, dw2: g * hcur) by TMA or by
+    cp.async. A TMA box always holds 64 slots, so a reduction tile shorter than that (an expert's last, or a token
+    block's last when the reduction restarts at block boundaries) brings in the next expert's rows: the kernel zeroes
+    them. With +Inf in every slot-indexed row of expert 1, experts 0 and 2 must stay finite, match a float64
+    reference, and have the same bits on both load paths."""
     import cupy
 
     from blazecore import _moe_gpu
@@ -1048,34 +1048,28 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
     ids = np.stack([rng.permutation(E)[:K] for _ in range(L)]).astype(np.int32)
     disp = build_dispatch(cupy.asarray(ids), E)
     offsets, slot_token = cupy.asnumpy(disp.expert_offsets), cupy.asnumpy(disp.slot_token)
-    A = rng.standard_normal((L * K, M)).astype(BF16)
-    A[offsets[1]:offsets[2]] = np.inf
-    B = rng.standard_normal((L, d)).astype(BF16)
+    S = rng.standard_normal((L * K, M)).astype(BF16)  # slot-indexed: dz (M = 2h) or g * hcur (M = h)
+    S[offsets[1]:offsets[2]] = np.inf
+    X = rng.standard_normal((L, d)).astype(BF16)  # gathered: x or dy
     stream = cupy.cuda.get_current_stream()
     outs = {}
     for b_load in _moe_gpu.B_LOADS:
         kern = _moe_gpu._Kernels(BF16, "swiglu", b_load=b_load)
         blk, nb = (None, 0) if block_tokens is None else _moe_gpu._block_starts(kern, disp, E, L, block_tokens,
                                                                                 stream)
-        if which == "dw13":  # W_e (M, d) = A_e^T B_g, stored row-major
+        s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
+        if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
             out = cupy.zeros((E, M, d), np.uint16)
-            _moe_gpu._launch_gemm(kern, "dw13", E * -(-M // 128) * kern.tiles_n("dw13", d), stream,
-                                  A=to_backend(A, "gpu"), lda=M, B=to_backend(B, "gpu"), ldb=d, b_estride=0, disp=disp,
-                                  tile_offsets=None, E=E, M=M, N=d, Kd=0, out=out, ldo=d, o_estride=M * d, kblocks=blk,
-                                  num_kblocks=nb)
-        else:  # transposed tiles: W_e^T (d, M) = (A_e^T B_g)^T, stored as out[e][n][m]
+            _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, blk, nb, stream, None, 0, 0)
+            outs[b_load] = cupy.asnumpy(out).view(BF16).astype(np.float64)
+        else:  # dw2_e (d, M) = dy_g^T (g hcur)_e
             out = cupy.zeros((E, d, M), np.uint16)
-            _moe_gpu._launch_gemm(kern, "dw2", E * -(-M // 128) * kern.tiles_n("dw2", d), stream,
-                                  A=to_backend(A, "gpu"), lda=M, B=to_backend(B, "gpu"), ldb=d, b_estride=0, disp=disp,
-                                  tile_offsets=None, E=E, M=M, N=d, Kd=0, out=out, ldo=M, o_estride=d * M, kblocks=blk,
-                                  num_kblocks=nb)
-        outs[b_load] = cupy.asnumpy(out).view(BF16).astype(np.float64)
-        if which == "dw2":
-            outs[b_load] = outs[b_load].transpose(0, 2, 1)
-    a64, b64 = A.astype(np.float64), B.astype(np.float64)
+            _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, blk, nb, stream)
+            outs[b_load] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+    s64, x64 = S.astype(np.float64), X.astype(np.float64)
     for e in (0, 2):
         s0, s1 = offsets[e], offsets[e + 1]
-        want = a64[s0:s1].T @ b64[slot_token[s0:s1]]
+        want = s64[s0:s1].T @ x64[slot_token[s0:s1]]
         for b_load, got in outs.items():
             assert np.isfinite(got[e]).all(), f"{b_load}: expert {e} took the next expert's rows"
             assert_close(got[e], want, TOL[BF16], f"{b_load} expert {e}")

@@ -7,8 +7,10 @@ namespace blz {
 //   W_e[m, n] = sum over slots s in [offsets[e], offsets[e+1]), in slot order, of A[rowA(s), m] * B[rowB(s), n]
 //   rowA(s) = slot_token[s] (A_GATHER) or s; rowB(s) likewise (B_GATHER); W is (E, M, N) row-major (o_estride).
 //
-// CTA = (expert e, 128-row m-tile, BN-column n-tile), 1-D grid, expert-major:
-//   bid = (e * tiles_m + tm) * tiles_n + tn,  tiles_m = ceil(M / 128), tiles_n = ceil(N / BN).
+// CTA = (expert e, 128-row m-tile, BN-column n-tile), 1-D grid, expert-major: bid = e * tiles_m * tiles_n + rt,
+// tiles_m = ceil(M / 128), tiles_n = ceil(N / BN); the expert's tiles rt in groups of 16 m-tiles, each group's
+// n-tiles one after another (rt = first * tiles_n + tn * gsz + tm - first, first = 16 * (rt / (16 * tiles_n)),
+// gsz = min(16, tiles_m - first)).
 // One CTA reduces all of the expert's slots in order (no split-K, no atomics: deterministic); an expert with
 // no slots writes zeros. Same warpgroup roles, stage ring, barriers and register split as moe_gemm_sm90.
 // The reduction dim is the row index of both operands, so both tiles are stored MN-major:
@@ -32,15 +34,19 @@ namespace blz {
 // Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
 // dynamic shared memory = sm90::Cfg<BN, false>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
 
-// OUT_T: store the tile transposed, out[e][n][m] (computes W^T's tiles: lets the gathered operand take the
-// wide BN side, whose rows give 512 contiguous bytes per k-row instead of 256).
+// OUT_T: store the tile transposed, out[e][n][m] (the launcher computes dw13 = dz^T x_g as W^T = x_g^T dz, so
+// that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
+// TMA: half the gathered bytes a stage of the other assignment; dw2 = dy_g^T (g hcur) needs no transpose).
 // A_TMA: the slot-indexed A tile comes by TMA (tmap_a: 2-D (M, rows of A), box (64, 64), 128-byte swizzle, zero
 // fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so
 // in a reduction tile shorter than 64 slots (an expert's or a token block's last) the rows past it hold the next
 // slots' values: each consumer warpgroup zeroes those rows of its own A atom before its wgmmas read the stage, so
 // every product matches the cp.async path's (which zero-fills them) bit for bit, NaN and Inf included.
+// B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage); the rows of
+// a short tile past its end are zeroed in every B atom by the 256 consumer threads, which then meet at named
+// barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a stage.
 template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
-          bool A_TMA = false>
+          bool A_TMA = false, bool B_TMA = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -58,10 +64,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     int flags,
     const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
     float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
-    const __grid_constant__ sm90::TmaMap tmap_a) {                 // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_a,                   // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_b) {                 // B_TMA: the B operand's tensor map
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
-  static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
+  // A_TMA with A_GATHER: the gathered rows by TMA, one box (64 columns x 1 row) per slot and 64-column atom
+  constexpr bool A_ROWS = A_TMA && A_GATHER;
+  static_assert(!(B_TMA && B_GATHER), "TMA B: the slot-indexed operand only (the copy engine does not gather rows)");
+  constexpr bool ANY_TMA = A_TMA || B_TMA;
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
   using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
   constexpr int STAGES = C::STAGES;
@@ -80,8 +90,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   const long long bid = blockIdx.x;
   const int e = static_cast<int>(bid / per_e);
   if (e >= num_experts) return;
+  // grouped order inside the expert: GROUP_M m-tiles down one n-tile, then the next n-tile, so the ~one CTA per SM
+  // that run at a time read about GROUP_M A slices and SMs / GROUP_M B slices (a single row of n-tiles of a wide N,
+  // mixtral's dw13, would stream every B slice from DRAM once per m-tile)
+  constexpr int GROUP_M = 16;
   const int rt = static_cast<int>(bid % per_e);
-  const int m0 = (rt / tiles_n) * BM, n0 = (rt % tiles_n) * BN;
+  const int first = (rt / (GROUP_M * tiles_n)) * GROUP_M, gsz = min(GROUP_M, tiles_m - first);
+  const int local = rt - first * tiles_n;
+  const int m0 = (first + local % gsz) * BM, n0 = (local / gsz) * BN;
   const int slot_lo = __ldg(offsets + e);
   const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
   const int num_kt = ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);  // tiles of KTileWalk
@@ -89,7 +105,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 128 + (A_TMA ? 1 : 0));    // one per producer thread (+ A_TMA's expect_tx)
+      sm90::mbar_init(full0 + 8 * s, 128 + (ANY_TMA ? 1 : 0));  // one per producer thread (+ the TMA expect_tx)
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
   }
@@ -116,9 +132,24 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       const int s = t0 + rw + (lane & 15);
       return s < tend ? __ldg(slot_token + s) : -1;
     };
-    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
-    if constexpr (A_TMA) {
-      if (tid == 0) sm90::tma_prefetch_map(&tmap_a);
+    constexpr bool CP_GATHER = (A_GATHER && !A_ROWS) || B_GATHER;  // gathered rows the producer copies
+    int tok_next = (CP_GATHER && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
+    // A_ROWS: lane l of warp 0 issues the boxes of k-rows 2 l and 2 l + 1; their rows, one k-tile ahead (-1 past
+    // the tile: a box wholly out of the map's bounds, which the copy engine fills with zeros)
+    auto rows2 = [&](int t0, int tend, int (&r)[2]) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int sl = t0 + 2 * lane + j;
+        r[j] = sl < tend ? __ldg(slot_token + sl) : -1;
+      }
+    };
+    int arow_next[2] = {-1, -1};
+    if constexpr (A_ROWS) {
+      if (tid < 32 && num_kt > 0) rows2(walk.t0, walk.end(), arow_next);
+    }
+    if (tid == 0) {
+      if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
+      if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
     }
 
     int stage = 0;
@@ -127,20 +158,44 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       const int tok = tok_next;
       const int t0 = walk.t0, tend = walk.end();
       walk.next();
-      if constexpr (A_GATHER || B_GATHER) {
+      int arow[2] = {arow_next[0], arow_next[1]};
+      if constexpr (CP_GATHER) {
         if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
+      }
+      if constexpr (A_ROWS) {
+        if (tid < 32 && kt + 1 < num_kt) rows2(walk.t0, walk.end(), arow_next);
       }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
-      if constexpr (A_TMA) {
-        // one thread raises the stage's transaction count by the A tile's bytes and issues its two boxes
+      if constexpr (ANY_TMA) {
+        // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
+        // 64-column atom)
+        const unsigned bar = full0 + 8 * stage;
         if (tid == 0) {
-          const unsigned bar = full0 + 8 * stage;
-          sm90::mbar_arrive_expect_tx(bar, C::A_BYTES);
-          sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
-          sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
+          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES : 0));
+          if constexpr (A_TMA && !A_ROWS) {
+            sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
+            sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
+          }
+          if constexpr (B_TMA) {
+#pragma unroll
+            for (int a = 0; a < BN / 64; ++a) sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
+          }
         }
-      } else {
+        if constexpr (A_ROWS) {
+          // k-row r of atom a at as + a * 8 KB + r * 128: the copy engine's 128-byte swizzle follows the address
+          if (tid < 32) {
+            __syncwarp();  // the expect_tx first
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const unsigned dst = as + static_cast<unsigned>((2 * lane + j) * ROW_BYTES);
+              sm90::tma_load_2d(dst, &tmap_a, bar, m0, arow[j]);
+              sm90::tma_load_2d(dst + ATOM_BYTES, &tmap_a, bar, m0 + 64, arow[j]);
+            }
+          }
+        }
+      }
+      if constexpr (!A_TMA) {
 #pragma unroll
         for (int i = 0; i < ROWS_W / RPA; ++i) {
           const int rl = RPA * i + ra;  // k-row within the warp's 16
@@ -156,19 +211,21 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
                              ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
         }
       }
+      if constexpr (!B_TMA) {
 #pragma unroll
-      for (int i = 0; i < ROWS_W / RPB; ++i) {
-        const int rl = RPB * i + rb;
-        const int r = rw + rl;
-        int row;
-        if constexpr (B_GATHER) {
-          row = __shfl_sync(0xffffffffu, tok, rl);
-        } else {
-          row = (t0 + r < tend) ? t0 + r : -1;
+        for (int i = 0; i < ROWS_W / RPB; ++i) {
+          const int rl = RPB * i + rb;
+          const int r = rw + rl;
+          int row;
+          if constexpr (B_GATHER) {
+            row = __shfl_sync(0xffffffffu, tok, rl);
+          } else {
+            row = (t0 + r < tend) ? t0 + r : -1;
+          }
+          const bool ok = b_cok && row >= 0;
+          sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                             ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
         }
-        const bool ok = b_cok && row >= 0;
-        sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                           ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
       }
       sm90::producer_signal<STAGES>(full0, kt, stage);
       if (++stage == STAGES) {
@@ -201,19 +258,31 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
 
     int stage = 0;
     unsigned phase = 0;
-    // A_TMA: the consumers walk the reduction tiles too, for each tile's length
-    KTileWalk<BK> cwalk(kblocks, e, num_kblocks, slot_lo, slot_lo + (A_TMA ? cnt : 0));
+    // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
+    KTileWalk<BK> cwalk(kblocks, e, num_kblocks, slot_lo, slot_lo + (ANY_TMA ? cnt : 0));
     auto zero_tail = [&](unsigned long long soff, int) {
-      if constexpr (A_TMA) {
+      if constexpr (ANY_TMA) {
         const int valid = cwalk.end() - cwalk.t0;
         cwalk.next();
-        if (valid < BK) {  // rows [valid, 64) of this warpgroup's A atom hold the next slots: zero them
-          const unsigned base = sbase + static_cast<unsigned>(soff << 4) + cw * ATOM_BYTES + valid * ROW_BYTES;
-          for (int i = t; i < (BK - valid) * (ROW_BYTES / 16); i += 128)
-            sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+        if (valid < BK) {  // rows [valid, 64) of the TMA tiles hold the next slots: zero them
+          const unsigned st = sbase + static_cast<unsigned>(soff << 4);
+          constexpr int CH = ROW_BYTES / 16;  // 16-byte chunks a k-row of an atom
+          if constexpr (A_TMA && !A_ROWS) {  // this warpgroup's own A atom (gathered rows past the tile are zero)
+            const unsigned base = st + cw * ATOM_BYTES + valid * ROW_BYTES;
+            for (int i = t; i < (BK - valid) * CH; i += 128) sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+          }
+          if constexpr (B_TMA) {  // every B atom, shared by both warpgroups
+            const int per = (BK - valid) * CH;
+            for (int i = ct; i < per * (BN / 64); i += 256)
+              sm90::st_shared_v4(st + C::A_BYTES + (i / per) * ATOM_BYTES + valid * ROW_BYTES + 16 * (i % per),
+                                 make_uint4(0u, 0u, 0u, 0u));
+          }
           sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
-          // the warpgroup's stores all done before any of its wgmmas (one named barrier per warpgroup)
-          if (cw == 0) {
+          // the stores all done before any wgmma reads them: the B tile is read by both warpgroups (named barrier 1
+          // of the 256 consumer threads), an A atom by its own warpgroup only (barrier 2 / 3 of its 128 threads)
+          if constexpr (B_TMA) {
+            sm90::consumer_bar_sync();
+          } else if (cw == 0) {
             asm volatile("bar.sync 2, 128;\n" ::: "memory");
           } else {
             asm volatile("bar.sync 3, 128;\n" ::: "memory");

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Operand roles of the sm_90a weight-gradient kernel (``moe_wgrad_sm90``), timed against each other in one run.
+
+For dw13_e = dz_e^T x_g and dw2_e = dy_g^T (g hcur)_e, three ways to run one launch over the whole width:
+
+- ``wide_gather``: the slot-indexed operand on the 128-column side by TMA, the gathered rows on the 256-column side
+  by cp.async (dw2 stores transposed tiles);
+- ``narrow_gather``: the gathered rows on the 128-column side by cp.async, the slot-indexed operand on the 256-column
+  side by TMA (dw13 stores transposed tiles);
+- ``no_gather``: both operands slot-indexed (the gathered rows copied into slot order beforehand) and both by TMA:
+  what the kernel does when no row is gathered;
+- ``narrow_contig``: as ``narrow_gather`` with the rows copied into slot order beforehand (cp.async, no gather);
+- ``narrow_gather_tma``: as ``narrow_gather`` with the gathered rows by TMA, one box (64 columns x 1 row) per slot
+  and 64-column atom, 128 boxes a stage.
+
+Each variant's output is compared with the first one's (bits) and with an fp32 product of one expert; time is CUDA
+events around each launch, the variants interleaved, median of the repeats.
+
+Usage: PYTHONPATH=. python3 scripts/probe_wgrad.py [--out DIR] [--tokens 32768] [--reps 10] [--shapes olmoe,...]
+Writes DIR/probe_wgrad.json and prints a table. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "fine": (1536, 256, 128, 8),
+          "mixtral": (4096, 14336, 8, 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import torch
+
+    import blazecore
+    from blazecore import _compile, _tma
+    from blazecore import _moe_gpu as G
+
+    ct, bf = "__nv_bfloat16", "bfloat16"
+    BN = G.BN90
+    smem = G._smem90(BN, staging=False)
+    names = {
+        ("dw13", "wide_gather"): G._wgrad90_name(ct, False, True, a_tma=True),
+        ("dw13", "narrow_gather"): G._wgrad90_name(ct, True, False, out_t=True, b_tma=True),
+        ("dw13", "no_gather"): G._wgrad90_name(ct, False, False, a_tma=True, b_tma=True),
+        ("dw2", "wide_gather"): G._wgrad90_name(ct, False, True, out_t=True, a_tma=True),
+        ("dw2", "narrow_gather"): G._wgrad90_name(ct, True, False, b_tma=True),
+        ("dw2", "no_gather"): G._wgrad90_name(ct, False, False, a_tma=True, b_tma=True),
+        ("dw13", "narrow_contig"): G._wgrad90_name(ct, False, False, out_t=True, b_tma=True),
+        ("dw2", "narrow_contig"): G._wgrad90_name(ct, False, False, b_tma=True),
+        ("dw13", "narrow_gather_tma"): G._wgrad90_name(ct, True, False, out_t=True, a_tma=True, b_tma=True),
+        ("dw2", "narrow_gather_tma"): G._wgrad90_name(ct, True, False, a_tma=True, b_tma=True),
+    }
+    module = tuple(sorted(set(names.values())))
+    fns = {k: _compile.get_function(G._FILE_WGRAD90, n, module_names=module, max_dynamic_smem=smem)
+           for k, n in names.items()}
+    null = _tma.null_map()
+    i32, i64 = np.int32, np.int64
+
+    def amap(t, cols):  # 2-D (cols, rows) box (64, 64) of a slot-indexed operand
+        return _tma.tiled_map(t.data.ptr, bf, (cols, t.shape[0]), (t.shape[1] * 2,), (64, 64))
+
+    def rowmap(t):  # 2-D (columns, rows), box (64, 1): one row of one 64-column atom a box (gathered rows)
+        return _tma.tiled_map(t.data.ptr, bf, (t.shape[1], t.shape[0]), (t.shape[1] * 2,), (64, 1))
+
+    def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream):
+        fn((int(grid),), (G.NTHREADS90,),
+           (A, i64(lda), B, i64(ldb), i64(0), disp.slot_token, disp.slot_k, disp.expert_offsets, G._NULL,
+            i32(E), i32(M), i32(N), i32(0), out, i64(ldo), i64(oes), G._NULL, i64(0), G._NULL, i64(0), G._NULL,
+            i64(0), G._NULL, i32(1), G._NULL, i32(0), i32(0), G._NULL, i32(0), G._NULL, G._NULL, ma, mb),
+           shared_mem=smem, stream=stream)
+
+    rows = []
+    for shape in args.shapes.split(","):
+        d, h, E, K = SHAPES[shape]
+        L = args.tokens
+        LK, H2 = L * K, 2 * h
+        torch.manual_seed(0)
+        tdev = "cuda"
+        ids = torch.topk(torch.randn(L, E, device=tdev), K, dim=1).indices.to(torch.int32)
+        disp = blazecore.build_dispatch(cp.asarray(ids), E)
+        g = torch.Generator(device=tdev).manual_seed(1)
+
+        def rnd(*s, g=g):
+            return cp.asarray((torch.randn(*s, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+                              .view(torch.int16)).view(cp.uint16)
+
+        x, dy, dz, hg = rnd(L, d), rnd(L, d), rnd(LK, H2), rnd(LK, h)
+        tok = disp.slot_token
+        xs, dys = x[tok], dy[tok]  # slot order (no_gather only)
+        stream = cp.cuda.get_current_stream()
+        grid13w, grid13n = E * -(-H2 // 128) * -(-d // BN), E * -(-d // 128) * -(-H2 // BN)
+        grid2w, grid2n = E * -(-h // 128) * -(-d // BN), E * -(-d // 128) * -(-h // BN)
+        variants = ("wide_gather", "narrow_gather", "no_gather", "narrow_contig", "narrow_gather_tma")
+        o13 = {v: cp.empty((E, H2, d), cp.uint16) for v in variants}
+        o2 = {v: cp.empty((E, d, h), cp.uint16) for v in variants}
+        # (grid, A, lda, B, ldb, M, N, out, ldo, o_estride, tmap_a, tmap_b) of each launch
+        runs = {
+            ("dw13", "wide_gather"): (grid13w, dz, H2, x, d, H2, d, o13["wide_gather"], d, H2 * d, amap(dz, H2),
+                                      null),
+            ("dw13", "narrow_gather"): (grid13n, x, d, dz, H2, d, H2, o13["narrow_gather"], d, H2 * d, null,
+                                        amap(dz, H2)),
+            ("dw13", "no_gather"): (grid13w, dz, H2, xs, d, H2, d, o13["no_gather"], d, H2 * d, amap(dz, H2),
+                                    amap(xs, d)),
+            ("dw2", "wide_gather"): (grid2w, hg, h, dy, d, h, d, o2["wide_gather"], h, d * h, amap(hg, h), null),
+            ("dw2", "narrow_gather"): (grid2n, dy, d, hg, h, d, h, o2["narrow_gather"], h, d * h, null, amap(hg, h)),
+            ("dw2", "no_gather"): (grid2n, dys, d, hg, h, d, h, o2["no_gather"], h, d * h, amap(dys, d),
+                                   amap(hg, h)),
+            ("dw13", "narrow_contig"): (grid13n, xs, d, dz, H2, d, H2, o13["narrow_contig"], d, H2 * d, null,
+                                        amap(dz, H2)),
+            ("dw2", "narrow_contig"): (grid2n, dys, d, hg, h, d, h, o2["narrow_contig"], h, d * h, null,
+                                       amap(hg, h)),
+            ("dw13", "narrow_gather_tma"): (grid13n, x, d, dz, H2, d, H2, o13["narrow_gather_tma"], d, H2 * d,
+                                            rowmap(x), amap(dz, H2)),
+            ("dw2", "narrow_gather_tma"): (grid2n, dy, d, hg, h, d, h, o2["narrow_gather_tma"], h, d * h, rowmap(dy),
+                                           amap(hg, h)),
+        }
+        outs = {"dw13": o13, "dw2": o2}
+
+        def go(k, runs=runs, disp=disp, E=E, stream=stream):
+            grid, A, lda, B, ldb, M, N, out, ldo, oes, ma, mb = runs[k]
+            launch(fns[k], grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream)
+
+        for k in runs:  # warm-up (and compile)
+            go(k)
+        stream.synchronize()
+        times = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for k in runs:
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(stream)
+                go(k)
+                e1.record(stream)
+                e1.synchronize()
+                times[k].append(cp.cuda.get_elapsed_time(e0, e1))
+        # checks: bits against the first variant; one expert against an fp32 product
+        off = cp.asnumpy(disp.expert_offsets)
+        e = int(np.argmax(np.diff(off)))
+        sl = slice(int(off[e]), int(off[e + 1]))
+
+        def f32(a):
+            return torch.as_tensor(a.view(cp.int16), device="cuda").view(torch.bfloat16).float()
+
+        tk = torch.as_tensor(tok[sl], device=tdev).long()
+        ref = {"dw13": f32(dz[sl]).T @ f32(x)[tk], "dw2": f32(dy)[tk].T @ f32(hg[sl])}
+        for (gname, v), ts in times.items():
+            o = outs[gname][v]
+            base = outs[gname]["wide_gather"]
+            M, N = (H2, d) if gname == "dw13" else (d, h)
+            ms = float(np.median(ts))
+            err = float((f32(o[e]) - ref[gname]).abs().max() / ref[gname].abs().max())
+            row = {"shape": shape, "tokens": L, "gemm": gname, "variant": v, "ms": ms,
+                   "tflops": 2.0 * LK * M * N / ms / 1e9, "bits_equal_wide_gather": bool(cp.array_equal(o, base)),
+                   "rel_err_vs_fp32": err}
+            rows.append(row)
+            print(f"{shape:8s} {gname:5s} {v:14s} {ms:8.3f} ms {row['tflops']:6.0f} TF/s  "
+                  f"bits={row['bits_equal_wide_gather']} err={err:.2e}", flush=True)
+        del x, dy, dz, hg, xs, dys, o13, o2, outs, runs
+        cp.get_default_memory_pool().free_all_blocks()
+    gpu = torch.cuda.get_device_name()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_wgrad.json"), "w") as f:
+        json.dump({"gpu": gpu, "tokens": args.tokens, "reps": args.reps, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
