@@ -126,9 +126,9 @@ def _helper_names(ct):
             "blz::moe_block_starts", "blz::moe_mark_seen"]
 
 
-def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False):
+def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False, a_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    tail = ", true" if a_act else ""
+    tail = f", {b(a_act)}, true" if a_tma else ", true" if a_act else ""
     return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}{tail}>"
 
 
@@ -152,7 +152,8 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
         # (g * hcur, dz) is B, on the 256-column side, by TMA (b_load "tma"); dw13 = dz^T x_g is computed as
         # transposed tiles (x_g^T dz, stored as out[e][n][m])
         return _wgrad90_name(ct, True, False, out_t=which == "dw13", carry_in=carry_in, b_tma=tma)
-    return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma)
+    # a slot-ordered A beside a TMA B (the second GEMM's hcur, dx's dz) comes by TMA too
+    return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_tma=tma and which in _A_TMA)
 
 
 @functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
@@ -192,6 +193,7 @@ def _smem90(bn=BN90, staging=True, a_tiles=1):
 # EPI_ACT and EPI_ROWSCALE stage their epilogue outside the stage ring, so the producer fills the next tile's
 # stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
 _M_GROUPED = {"gemm1", "gemm2", "gemm2z", "dhcur", "dx"}
+_A_TMA = {"gemm2", "dx"}  # M-grouped GEMMs whose A is in slot order (not gathered, not activated in the load)
 _SM90_ONLY = {"gemm2z"}  # variants only the sm_90a kernels have
 _SM_COUNT: dict[int, int] = {}
 
@@ -330,6 +332,17 @@ def _slot_map(kern, X, ldx, cols):
     return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, 64))
 
 
+def _rows_map(kern, A, lda, Kd):
+    """The tensor map of an M-grouped kernel's slot-ordered A (see moe_gemm_sm90's tmap_a): 2-D (Kd, rows of A), box
+    (64, 128); None where A cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride the copy
+    engine cannot take), and the launch loads A and B by cp.async."""
+    es = kern.itemsize
+    if kern.b_load != "tma" or _array.dry() is not None or A.data.ptr % 16 or (lda * es) % 16:
+        return None
+    dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
+    return _tma.tiled_map(A.data.ptr, dt, (Kd, A.shape[0]), (lda * es,), (64, BM))
+
+
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
                  out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
                  gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
@@ -341,11 +354,15 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
         bmap = _slot_map(kern, B, ldb, N)
         b_load = "tma" if bmap is not None else "cp_async"
         extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
-    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
         up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)
-        extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd, up),)  # the kernel's tmap_b
+        amap = _rows_map(kern, A, lda, Kd) if which in _A_TMA else None
+        if which in _A_TMA and amap is None:
+            b_load = "cp_async"  # the A_TMA kernels take B by TMA too: both by cp.async
+        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up) if b_load is None else _tma.null_map()
+        extra = (bmap, _tma.null_map() if amap is None else amap)  # the kernel's tmap_b, tmap_a
+    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     fn(
         (int(grid),), (kv.threads,),
         (

@@ -17,14 +17,13 @@ Each variant's output is compared with the first one's (bits) and with an fp32 p
 events around each launch, the variants interleaved, median of the repeats.
 
 Usage: PYTHONPATH=. python3 scripts/probe_wgrad.py [--out DIR] [--tokens 32768] [--reps 10] [--shapes olmoe,...]
-Writes DIR/probe_wgrad.json and prints a table. Needs a Hopper GPU.
+Writes DIR/probe_wgrad_<gpu>.json (bench/_common's header) and prints a table. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import pathlib
 
 import numpy as np
 
@@ -34,7 +33,7 @@ SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "fine": (1
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -168,10 +167,12 @@ def main(argv=None) -> int:
                   f"bits={row['bits_equal_wide_gather']} err={err:.2e}", flush=True)
         del x, dy, dz, hg, xs, dys, o13, o2, outs, runs
         cp.get_default_memory_pool().free_all_blocks()
-    gpu = torch.cuda.get_device_name()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_wgrad.json"), "w") as f:
-        json.dump({"gpu": gpu, "tokens": args.tokens, "reps": args.reps, "rows": rows}, f, indent=1)
+    from bench import _common as common
+
+    header = common.gpu_header()
+    header.update(bench="probe_wgrad", tokens=args.tokens, reps=args.reps)
+    path = common.write_json("probe_wgrad", header, rows, results_dir=pathlib.Path(args.out))
+    print(f"wrote {path}")
     return 0
 
 

@@ -56,13 +56,16 @@ namespace blz {
 // BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
 // sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
 // B_TMA: the B tile comes by TMA (tmap_b, see below) instead of cp.async; the gathered A rows stay on cp.async.
+// A_TMA (with B_TMA, for a slot-ordered A: the second GEMM's hcur, dx's dz): the A tile comes by TMA too (tmap_a: 2-D
+// (Kd, rows of A), box (64, 128), 128-byte swizzle): rows m0 .. m0 + 127 whatever the expert's end, since the
+// epilogue stores rows below m_end only (and the rows beyond A's end read as zeros).
 // tmap_b (ignored unless B_TMA), encoded by blazecore/_tma.py with 128-byte swizzle, zero fill out of bounds:
 //   K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2, 1, 1): two boxes per stage, the gate and up
 //     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
 //     128-byte rows, which is the layout the cp.async path writes.
 //   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
 template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false,
-          bool A_ACT = false>
+          bool A_ACT = false, bool A_TMA = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const T* __restrict__ A, long long lda,
     const T* __restrict__ B, long long ldb, long long b_estride,
@@ -80,7 +83,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     int flags,
     const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
     float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
-    const __grid_constant__ sm90::TmaMap tmap_b) {                   // B_TMA: the B operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_b,                     // B_TMA: the B operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_a) {                   // A_TMA: the A operand's tensor map
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
@@ -89,6 +93,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   // A_ACT: A holds pre-activations z in slot order (gated: the gate columns [0, Kd), the up columns [Kd, 2 Kd));
   // the consumers read A's fragments into registers and apply the activation there (hcur is never stored)
   static_assert(!A_ACT || (EPI == EPI_ROWSCALE && !A_GATHER), "A_ACT: the second GEMM's slot-ordered A only");
+  static_assert(!A_TMA || (B_TMA && !A_GATHER && !A_ACT), "A_TMA: a slot-ordered A beside a TMA B");
   constexpr bool A2 = A_ACT && act_gated(ACT);  // two A tiles a stage: gate and up
   using C = sm90::Cfg<BN, true, A2 ? 2 : 1>;
   constexpr int STAGES = C::STAGES;
@@ -148,6 +153,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     if constexpr (B_TMA) {
       if (tid == 0) sm90::tma_prefetch_map(&tmap_b);
     }
+    if constexpr (A_TMA) {
+      if (tid == 0) sm90::tma_prefetch_map(&tmap_a);
+    }
     int stage = 0, it = 0;  // ring position and k-tile count over all of this CTA's tiles
     unsigned phase = 0;
     int li = 0;
@@ -172,7 +180,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
       for (int i = 0; i < BM / 16; ++i) {
         const int s = m0 + r0 + 16 * i;
-        a_row[i] = (s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+        a_row[i] = (!A_TMA && s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
       }
       // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
       // the up rows bup + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
@@ -227,19 +235,24 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const int k0 = kt * BK;
         const int kc = k0 + cc * EPC;
         const bool kok = kc < Kd;
+        if constexpr (!A_TMA) {
 #pragma unroll
-        for (int i = 0; i < BM / 16; ++i) {
-          const bool ok = kok && a_row[i] >= 0;
-          const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
-          sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
-          if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw, ok ? src + Kd : A,
-                                               ok ? 16 : 0);
+          for (int i = 0; i < BM / 16; ++i) {
+            const bool ok = kok && a_row[i] >= 0;
+            const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
+            sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
+            if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw,
+                                                 ok ? src + Kd : A, ok ? 16 : 0);
+          }
         }
         if constexpr (B_TMA) {
-          // one thread issues the stage's boxes after raising the full barrier's transaction count by B_BYTES
+          // one thread issues the stage's boxes after raising the full barrier's transaction count by their bytes
           if (tid == 0) {
             const unsigned bar = full0 + 8 * stage;
-            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES);
+            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES + (A_TMA ? C::A_BYTES : 0));
+            // A_TMA: rows m0.. of A, one box of 128 rows x 64 k; rows past the expert's slots hold the next
+            // expert's rows (or zeros past A's end): their output rows are never stored
+            if constexpr (A_TMA) sm90::tma_load_2d(as, &tmap_a, bar, k0, m0);
             if constexpr (B_KMAJOR) {
               constexpr int HALF = BN / 2;  // rows per box
               sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
