@@ -5,8 +5,9 @@
 2. Every M-grouped GEMM of both paths on a small ragged problem (gemm1 gated and plain, gemm2, dh', dx, each with
    its layer arguments): the outputs of the two paths must have the same bits.
 3. Per-GEMM time (CUDA events around each launch, warm-up, median) of gemm1 / gemm2 / dh' / dx on three paths
-   interleaved (cp_async: A and B by cp.async; tma_b: B by TMA; tma, the default: B and a slot-ordered A by TMA), for olmoe (d=2048, h=1024, E=64, K=8) and mixtral (4096, 14336, 8, 2) at 32k tokens, uniform
-   random routing, bf16 SwiGLU, checkpoint "ab"; the layer's column slices as the layer runs them.
+   interleaved (cp_async: A and B by cp.async; tma_b: B by TMA; tma, the default: B and a slot-ordered A by TMA),
+   for olmoe (d=2048, h=1024, E=64, K=8) and mixtral (4096, 14336, 8, 2) at 32k tokens, uniform random routing,
+   bf16 SwiGLU, checkpoint "ab"; the layer's column slices as the layer runs them.
 
 Usage: PYTHONPATH=. python3 scripts/probe_sm90_tma.py [--out DIR] [--tokens 32768] [--reps 10]
 Writes DIR/probe_sm90_tma.json and prints a table. Needs a Hopper GPU.

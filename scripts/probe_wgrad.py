@@ -9,9 +9,7 @@ For dw13_e = dz_e^T x_g and dw2_e = dy_g^T (g hcur)_e, three ways to run one lau
   side by TMA (dw13 stores transposed tiles);
 - ``no_gather``: both operands slot-indexed (the gathered rows copied into slot order beforehand) and both by TMA:
   what the kernel does when no row is gathered;
-- ``narrow_contig``: as ``narrow_gather`` with the rows copied into slot order beforehand (cp.async, no gather);
-- ``narrow_gather_tma``: as ``narrow_gather`` with the gathered rows by TMA, one box (64 columns x 1 row) per slot
-  and 64-column atom, 128 boxes a stage.
+- ``narrow_contig``: as ``narrow_gather`` with the rows copied into slot order beforehand (cp.async, no gather).
 
 Each variant's output is compared with the first one's (bits) and with an fp32 product of one expert; time is CUDA
 events around each launch, the variants interleaved, median of the repeats.
@@ -37,6 +35,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--scale", type=float, default=0.5,
+                    help="standard deviation of the random operands (0: all zeros; the tensor cores' power, and so "
+                         "the clock, depends on the data)")
+    ap.add_argument("--block-tokens", type=int, default=0,
+                    help="restart the reductions at every multiple of this many tokens, as the layer does "
+                         "(0: one block)")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -58,8 +62,6 @@ def main(argv=None) -> int:
         ("dw2", "no_gather"): G._wgrad90_name(ct, False, False, a_tma=True, b_tma=True),
         ("dw13", "narrow_contig"): G._wgrad90_name(ct, False, False, out_t=True, b_tma=True),
         ("dw2", "narrow_contig"): G._wgrad90_name(ct, False, False, b_tma=True),
-        ("dw13", "narrow_gather_tma"): G._wgrad90_name(ct, True, False, out_t=True, a_tma=True, b_tma=True),
-        ("dw2", "narrow_gather_tma"): G._wgrad90_name(ct, True, False, a_tma=True, b_tma=True),
     }
     module = tuple(sorted(set(names.values())))
     fns = {k: _compile.get_function(G._FILE_WGRAD90, n, module_names=module, max_dynamic_smem=smem)
@@ -70,15 +72,12 @@ def main(argv=None) -> int:
     def amap(t, cols):  # 2-D (cols, rows) box (64, 64) of a slot-indexed operand
         return _tma.tiled_map(t.data.ptr, bf, (cols, t.shape[0]), (t.shape[1] * 2,), (64, 64))
 
-    def rowmap(t):  # 2-D (columns, rows), box (64, 1): one row of one 64-column atom a box (gathered rows)
-        return _tma.tiled_map(t.data.ptr, bf, (t.shape[1], t.shape[0]), (t.shape[1] * 2,), (64, 1))
-
-    def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream):
+    def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream, blk):
         fn((int(grid),), (G.NTHREADS90,),
            (A, i64(lda), B, i64(ldb), i64(0), disp.slot_token, disp.slot_k, disp.expert_offsets, G._NULL,
             i32(E), i32(M), i32(N), i32(0), out, i64(ldo), i64(oes), G._NULL, i64(0), G._NULL, i64(0), G._NULL,
-            i64(0), G._NULL, i32(1), G._NULL, i32(0), i32(0), G._NULL, i32(0), G._NULL, G._NULL, ma, mb),
-           shared_mem=smem, stream=stream)
+            i64(0), G._NULL, i32(1), G._NULL, i32(0), i32(0), G._ptr(blk[0]), i32(blk[1]), G._NULL, G._NULL, ma,
+            mb), shared_mem=smem, stream=stream)
 
     rows = []
     for shape in args.shapes.split(","):
@@ -92,16 +91,18 @@ def main(argv=None) -> int:
         g = torch.Generator(device=tdev).manual_seed(1)
 
         def rnd(*s, g=g):
-            return cp.asarray((torch.randn(*s, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+            return cp.asarray((torch.randn(*s, device="cuda", generator=g) * args.scale).to(torch.bfloat16)
                               .view(torch.int16)).view(cp.uint16)
 
         x, dy, dz, hg = rnd(L, d), rnd(L, d), rnd(LK, H2), rnd(LK, h)
         tok = disp.slot_token
         xs, dys = x[tok], dy[tok]  # slot order (no_gather only)
         stream = cp.cuda.get_current_stream()
+        blk = ((None, 0) if args.block_tokens <= 0 else
+               G._block_starts(G._Kernels(G.BF16, "swiglu"), disp, E, L, args.block_tokens, stream))
         grid13w, grid13n = E * -(-H2 // 128) * -(-d // BN), E * -(-d // 128) * -(-H2 // BN)
         grid2w, grid2n = E * -(-h // 128) * -(-d // BN), E * -(-d // 128) * -(-h // BN)
-        variants = ("wide_gather", "narrow_gather", "no_gather", "narrow_contig", "narrow_gather_tma")
+        variants = ("wide_gather", "narrow_gather", "no_gather", "narrow_contig")
         o13 = {v: cp.empty((E, H2, d), cp.uint16) for v in variants}
         o2 = {v: cp.empty((E, d, h), cp.uint16) for v in variants}
         # (grid, A, lda, B, ldb, M, N, out, ldo, o_estride, tmap_a, tmap_b) of each launch
@@ -120,16 +121,12 @@ def main(argv=None) -> int:
                                         amap(dz, H2)),
             ("dw2", "narrow_contig"): (grid2n, dys, d, hg, h, d, h, o2["narrow_contig"], h, d * h, null,
                                        amap(hg, h)),
-            ("dw13", "narrow_gather_tma"): (grid13n, x, d, dz, H2, d, H2, o13["narrow_gather_tma"], d, H2 * d,
-                                            rowmap(x), amap(dz, H2)),
-            ("dw2", "narrow_gather_tma"): (grid2n, dy, d, hg, h, d, h, o2["narrow_gather_tma"], h, d * h, rowmap(dy),
-                                           amap(hg, h)),
         }
         outs = {"dw13": o13, "dw2": o2}
 
-        def go(k, runs=runs, disp=disp, E=E, stream=stream):
+        def go(k, runs=runs, disp=disp, E=E, stream=stream, blk=blk):
             grid, A, lda, B, ldb, M, N, out, ldo, oes, ma, mb = runs[k]
-            launch(fns[k], grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream)
+            launch(fns[k], grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream, blk)
 
         for k in runs:  # warm-up (and compile)
             go(k)
@@ -158,8 +155,9 @@ def main(argv=None) -> int:
             base = outs[gname]["wide_gather"]
             M, N = (H2, d) if gname == "dw13" else (d, h)
             ms = float(np.median(ts))
-            err = float((f32(o[e]) - ref[gname]).abs().max() / ref[gname].abs().max())
-            row = {"shape": shape, "tokens": L, "gemm": gname, "variant": v, "ms": ms,
+            err = float((f32(o[e]) - ref[gname]).abs().max() / ref[gname].abs().max().clamp_min(1e-30))
+            row = {"shape": shape, "tokens": L, "block_tokens": args.block_tokens, "gemm": gname, "variant": v,
+                   "ms": ms,
                    "tflops": 2.0 * LK * M * N / ms / 1e9, "bits_equal_wide_gather": bool(cp.array_equal(o, base)),
                    "rel_err_vs_fp32": err}
             rows.append(row)
@@ -170,7 +168,8 @@ def main(argv=None) -> int:
     from bench import _common as common
 
     header = common.gpu_header()
-    header.update(bench="probe_wgrad", tokens=args.tokens, reps=args.reps)
+    header.update(bench="probe_wgrad", tokens=args.tokens, reps=args.reps, block_tokens=args.block_tokens,
+                  scale=args.scale)
     path = common.write_json("probe_wgrad", header, rows, results_dir=pathlib.Path(args.out))
     print(f"wrote {path}")
     return 0

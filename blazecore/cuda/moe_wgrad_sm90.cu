@@ -68,8 +68,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const __grid_constant__ sm90::TmaMap tmap_b) {                 // B_TMA: the B operand's tensor map
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
-  // A_TMA with A_GATHER: the gathered rows by TMA, one box (64 columns x 1 row) per slot and 64-column atom
-  constexpr bool A_ROWS = A_TMA && A_GATHER;
+  static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
   static_assert(!(B_TMA && B_GATHER), "TMA B: the slot-indexed operand only (the copy engine does not gather rows)");
   constexpr bool ANY_TMA = A_TMA || B_TMA;
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
@@ -132,21 +131,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       const int s = t0 + rw + (lane & 15);
       return s < tend ? __ldg(slot_token + s) : -1;
     };
-    constexpr bool CP_GATHER = (A_GATHER && !A_ROWS) || B_GATHER;  // gathered rows the producer copies
-    int tok_next = (CP_GATHER && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
-    // A_ROWS: lane l of warp 0 issues the boxes of k-rows 2 l and 2 l + 1; their rows, one k-tile ahead (-1 past
-    // the tile: a box wholly out of the map's bounds, which the copy engine fills with zeros)
-    auto rows2 = [&](int t0, int tend, int (&r)[2]) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int sl = t0 + 2 * lane + j;
-        r[j] = sl < tend ? __ldg(slot_token + sl) : -1;
-      }
-    };
-    int arow_next[2] = {-1, -1};
-    if constexpr (A_ROWS) {
-      if (tid < 32 && num_kt > 0) rows2(walk.t0, walk.end(), arow_next);
-    }
+    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
     if (tid == 0) {
       if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
       if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
@@ -158,40 +143,24 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       const int tok = tok_next;
       const int t0 = walk.t0, tend = walk.end();
       walk.next();
-      int arow[2] = {arow_next[0], arow_next[1]};
-      if constexpr (CP_GATHER) {
+      if constexpr (A_GATHER || B_GATHER) {
         if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
-      }
-      if constexpr (A_ROWS) {
-        if (tid < 32 && kt + 1 < num_kt) rows2(walk.t0, walk.end(), arow_next);
       }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
       if constexpr (ANY_TMA) {
         // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
         // 64-column atom)
-        const unsigned bar = full0 + 8 * stage;
         if (tid == 0) {
+          const unsigned bar = full0 + 8 * stage;
           sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES : 0));
-          if constexpr (A_TMA && !A_ROWS) {
+          if constexpr (A_TMA) {
             sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
             sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
           }
           if constexpr (B_TMA) {
 #pragma unroll
             for (int a = 0; a < BN / 64; ++a) sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
-          }
-        }
-        if constexpr (A_ROWS) {
-          // k-row r of atom a at as + a * 8 KB + r * 128: the copy engine's 128-byte swizzle follows the address
-          if (tid < 32) {
-            __syncwarp();  // the expect_tx first
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const unsigned dst = as + static_cast<unsigned>((2 * lane + j) * ROW_BYTES);
-              sm90::tma_load_2d(dst, &tmap_a, bar, m0, arow[j]);
-              sm90::tma_load_2d(dst + ATOM_BYTES, &tmap_a, bar, m0 + 64, arow[j]);
-            }
           }
         }
       }
@@ -267,7 +236,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         if (valid < BK) {  // rows [valid, 64) of the TMA tiles hold the next slots: zero them
           const unsigned st = sbase + static_cast<unsigned>(soff << 4);
           constexpr int CH = ROW_BYTES / 16;  // 16-byte chunks a k-row of an atom
-          if constexpr (A_TMA && !A_ROWS) {  // this warpgroup's own A atom (gathered rows past the tile are zero)
+          if constexpr (A_TMA) {  // this warpgroup's own A atom
             const unsigned base = st + cw * ATOM_BYTES + valid * ROW_BYTES;
             for (int i = t; i < (BK - valid) * CH; i += 128) sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
           }
