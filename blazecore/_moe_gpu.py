@@ -321,26 +321,16 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
-def _slot_map(kern, X, ldx, cols):
-    """The tensor map of a weight-gradient kernel's slot-indexed operand X (its B on sm_90a, see moe_wgrad_sm90's
-    tmap_b): 2-D (cols, rows of X), box (64, 64); None where X cannot go by TMA (a dry run, cp.async loads asked
-    for, an address or row stride the copy engine cannot take), and the kernel loads it by cp.async."""
+def _rows_map(kern, X, ldx, cols, box_rows):
+    """The tensor map of an operand X read in slot order, rows by rows (the M-grouped kernels' A, moe_gemm_sm90's
+    tmap_a, box (64, 128); the weight-gradient kernels' slot-indexed B, moe_wgrad_sm90's tmap_b, box (64, 64)): 2-D
+    (cols, rows of X); None where X cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride
+    the copy engine cannot take), and the launch loads it by cp.async."""
     es = kern.itemsize
     if kern.b_load != "tma" or _array.dry() is not None or X.data.ptr % 16 or (ldx * es) % 16:
         return None
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, 64))
-
-
-def _rows_map(kern, A, lda, Kd):
-    """The tensor map of an M-grouped kernel's slot-ordered A (see moe_gemm_sm90's tmap_a): 2-D (Kd, rows of A), box
-    (64, 128); None where A cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride the copy
-    engine cannot take), and the launch loads A and B by cp.async."""
-    es = kern.itemsize
-    if kern.b_load != "tma" or _array.dry() is not None or A.data.ptr % 16 or (lda * es) % 16:
-        return None
-    dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    return _tma.tiled_map(A.data.ptr, dt, (Kd, A.shape[0]), (lda * es,), (64, BM))
+    return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, box_rows))
 
 
 def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
@@ -351,13 +341,13 @@ def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, 
     carry_in = carry is not None and bool(flags & 1)
     extra, b_load = (), None
     if kern.sm90 and which not in _M_GROUPED:  # the weight gradients: B (by slot) by TMA where it can go so
-        bmap = _slot_map(kern, B, ldb, N)
+        bmap = _rows_map(kern, B, ldb, N, 64)
         b_load = "tma" if bmap is not None else "cp_async"
         extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
     if kern.sm90 and which in _M_GROUPED:
         grid = _persistent_grid(grid)
         up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)
-        amap = _rows_map(kern, A, lda, Kd) if which in _A_TMA else None
+        amap = _rows_map(kern, A, lda, Kd, BM) if which in _A_TMA else None
         if which in _A_TMA and amap is None:
             b_load = "cp_async"  # the A_TMA kernels take B by TMA too: both by cp.async
         bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up) if b_load is None else _tma.null_map()

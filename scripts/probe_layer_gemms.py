@@ -71,7 +71,7 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
     del kept
     for kern, which, grid, _st, _a, kw in launches:  # what each weight-gradient launch ran
         if which in ("dw13", "dw2"):
-            amap = _moe_gpu._slot_map(kern, kw["B"], kw["ldb"], kw["N"])
+            amap = _moe_gpu._rows_map(kern, kw["B"], kw["ldb"], kw["N"], 64)
             print(f"{shape} {which}: {kern.variant(which, b_load='tma' if amap is not None else 'cp_async').name} "
                   f"grid {grid} M {kw['M']} N {kw['N']} lda {kw['lda']} ldb {kw['ldb']} ldo {kw['ldo']} "
                   f"o_estride {kw['o_estride']} blocks {kw.get('num_kblocks')} A {tuple(kw['A'].shape)} "

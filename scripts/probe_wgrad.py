@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from blazecore import _compile, _tma
     from blazecore import _moe_gpu as G
 
-    ct, bf = "__nv_bfloat16", "bfloat16"
+    ct = "__nv_bfloat16"
     BN = G.BN90
     smem = G._smem90(BN, staging=False)
     names = {
@@ -69,8 +69,10 @@ def main(argv=None) -> int:
     null = _tma.null_map()
     i32, i64 = np.int32, np.int64
 
-    def amap(t, cols):  # 2-D (cols, rows) box (64, 64) of a slot-indexed operand
-        return _tma.tiled_map(t.data.ptr, bf, (cols, t.shape[0]), (t.shape[1] * 2,), (64, 64))
+    tma_kern = G._Kernels(G.BF16, "swiglu", b_load="tma")
+
+    def amap(t, cols):  # the launcher's map of a slot-indexed operand: 2-D (cols, rows), box (64, 64)
+        return G._rows_map(tma_kern, t, t.shape[1], cols, 64)
 
     def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream, blk):
         fn((int(grid),), (G.NTHREADS90,),

@@ -45,6 +45,30 @@ namespace blz {
 // B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage); the rows of
 // a short tile past its end are zeroed in every B atom by the 256 consumer threads, which then meet at named
 // barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a stage.
+// The producer's cp.async copies of one operand's k-tile: this warp's k-rows [rw, rw + ROWS_W), RP k-rows a warp
+// instruction (lane sub = lane / chunks-per-row picks its k-row of the RP); dst: the lane's chunk position in the
+// tile (XORed with k-row % 8), col: its column in row 0 of the source. The source row of k-row r is the gather
+// index (GATHER: held by lane r % 16, see gather_row) or slot t0 + r; rows past the reduction tile [t0, tend) and
+// columns out of range (col_ok false) are zero-filled.
+template <int RP, int ROWS_W, bool GATHER, typename T>
+__device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int sub, int rw, bool col_ok,
+                                                const T* col, const T* any, long long ld, int tok, int t0, int tend) {
+#pragma unroll
+  for (int i = 0; i < ROWS_W / RP; ++i) {
+    const int rl = RP * i + sub;  // k-row within the warp's ROWS_W
+    const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
+    int row;
+    if constexpr (GATHER) {
+      row = __shfl_sync(0xffffffffu, tok, rl);
+    } else {
+      row = (t0 + r < tend) ? t0 + r : -1;
+    }
+    const bool ok = col_ok && row >= 0;
+    sm90::cp_async16_s(tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                       ok ? col + (long long)row * ld : any, ok ? 16 : 0);
+  }
+}
+
 template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
           bool A_TMA = false, bool B_TMA = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
@@ -164,38 +188,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
           }
         }
       }
-      if constexpr (!A_TMA) {
-#pragma unroll
-        for (int i = 0; i < ROWS_W / RPA; ++i) {
-          const int rl = RPA * i + ra;  // k-row within the warp's 16
-          const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
-          int row;
-          if constexpr (A_GATHER) {
-            row = __shfl_sync(0xffffffffu, tok, rl);
-          } else {
-            row = (t0 + r < tend) ? t0 + r : -1;
-          }
-          const bool ok = a_cok && row >= 0;
-          sm90::cp_async16_s(as + r * ROW_BYTES + (a_dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                             ok ? Ac + (long long)row * lda : A, ok ? 16 : 0);
-        }
-      }
-      if constexpr (!B_TMA) {
-#pragma unroll
-        for (int i = 0; i < ROWS_W / RPB; ++i) {
-          const int rl = RPB * i + rb;
-          const int r = rw + rl;
-          int row;
-          if constexpr (B_GATHER) {
-            row = __shfl_sync(0xffffffffu, tok, rl);
-          } else {
-            row = (t0 + r < tend) ? t0 + r : -1;
-          }
-          const bool ok = b_cok && row >= 0;
-          sm90::cp_async16_s(bs + r * ROW_BYTES + (b_dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                             ok ? Bc + (long long)row * ldb : B, ok ? 16 : 0);
-        }
-      }
+      if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, A, lda, tok, t0, tend);
+      if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, B, ldb, tok, t0, tend);
       sm90::producer_signal<STAGES>(full0, kt, stage);
       if (++stage == STAGES) {
         stage = 0;
