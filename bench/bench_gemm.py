@@ -43,22 +43,25 @@ def _grouped_mm_moe():
 
 
 class GemmTimer:
-    """CUDA events around every GEMM launch of blazecore's launcher (``_moe_gpu._launch_gemm``), on the stream
+    """CUDA events around every GEMM launch of blazecore's launchers (``_moe_gpu.GEMM_LAUNCHERS``), on the stream
     the launch runs on; ``per_call()`` gives each GEMM's summed milliseconds per recorded call."""
 
     def __init__(self):
         from blazecore import _moe_gpu
 
         self._mod = _moe_gpu
-        self._orig = _moe_gpu._launch_gemm
+        self._origs = {name: getattr(_moe_gpu, name) for name in _moe_gpu.GEMM_LAUNCHERS}
         self.events: list = []  # (call index, which, start, end)
         self.call = -1
         self.on = False
 
     def __enter__(self):
-        import cupy
+        for name, orig in self._origs.items():
+            setattr(self._mod, name, self._timed(orig))
+        return self
 
-        orig = self._orig
+    def _timed(self, orig):
+        import cupy
 
         def timed(kern, which, grid, stream, *args, **kw):
             if not self.on:
@@ -76,11 +79,11 @@ class GemmTimer:
             self.events.append((self.call, which, e0, e1))
             return out
 
-        self._mod._launch_gemm = timed
-        return self
+        return timed
 
     def __exit__(self, *exc):
-        self._mod._launch_gemm = self._orig
+        for name, orig in self._origs.items():
+            setattr(self._mod, name, orig)
 
     def per_call(self) -> dict:
         import statistics

@@ -105,10 +105,12 @@ def compile_cubin(filename: str, name_expressions, arch: str, options=()):
     return compile_source(source, filename, name_expressions, arch, options)
 
 
-def compile_source(source: str, filename: str, name_expressions, arch: str, options=()):
-    """:func:`compile_cubin` of source text (``filename`` names it in messages; ``cuda/`` is on the include path)."""
+def compile_source(source: str, filename: str, name_expressions, arch: str, options=(), ptx: bool = False):
+    """:func:`compile_cubin` of source text (``filename`` names it in messages; ``cuda/`` is on the include path).
+    ``ptx``: compile for the virtual architecture of ``arch`` and return the PTX text in place of the cubin."""
     nvrtc = _nvrtc()
-    opts = list(_cupy_include_options()) + [f"-I{CUDA_DIR}", f"-arch={arch}", *_BASE_OPTIONS, *options]
+    target = arch.replace("sm_", "compute_") if ptx else arch
+    opts = list(_cupy_include_options()) + [f"-I{CUDA_DIR}", f"-arch={target}", *_BASE_OPTIONS, *options]
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         for ne in name_expressions:
@@ -119,7 +121,7 @@ def compile_source(source: str, filename: str, name_expressions, arch: str, opti
             raise CompileError(f"NVRTC failed on {filename} for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
         log = nvrtc.getProgramLog(prog)
         lowered = {ne: nvrtc.getLoweredName(prog, ne) for ne in name_expressions}
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
     return cubin, lowered, log

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _array, _compile, _tma
+from . import _array, _compile, _moe_args, _tma
 from ._array import BF16, logical_dtype
 from ._moe_common import (
     MoEGrads,
@@ -51,7 +51,14 @@ BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 
 NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
 _GATED = {"swiglu", "geglu", "swiglu_oai"}
+_GATED_IDS = {_ACT_IDS[a] for a in _GATED}
 ACT_INTERLEAVED = 8  # moe_common.cuh's ACT_INTERLEAVED: or'ed into a gated Act id for interleaved gate/up rows
+
+
+def act_base_id(act: int) -> int:
+    """An Act id without ACT_INTERLEAVED (moe_common.cuh's act_base)."""
+    return act & (ACT_INTERLEAVED - 1)
+
 _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half", BF16: "__nv_bfloat16"}
 BM = BN = 128
 STAGES = 4
@@ -126,16 +133,22 @@ def _helper_names(ct):
             "blz::moe_block_starts", "blz::moe_mark_seen"]
 
 
+def _a_tiles90(act, a_act):
+    """A tiles a stage of an sm_90a M-grouped kernel: 2 for a gated A_ACT GEMM (z's gate and up columns), else 1."""
+    return 2 if a_act and act_base_id(act) in _GATED_IDS else 1
+
+
 def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False, a_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    tail = f", {b(a_act)}, true" if a_tma else ", true" if a_act else ""
-    return f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}{tail}>"
+    stages = _stages90(BN90, _a_tiles90(act, a_act))
+    return (f"blz::moe_gemm_sm90<{ct}, {b(b_kmajor)}, {epi}, {act}, {b(a_gather)}, {BN90}, {b(b_tma)}, {b(a_act)}, "
+            f"{b(a_tma)}, {stages}>")
 
 
 def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False, b_tma=False):
     b = lambda v: "true" if v else "false"  # noqa: E731
     return (f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}, "
-            f"{b(a_tma)}, {b(b_tma)}>")
+            f"{b(a_tma)}, {b(b_tma)}, {_stages90(BN90)}>")
 
 
 def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
@@ -173,12 +186,14 @@ def _wgrad_names90(ct):
 
 
 def _stages90(bn=BN90, a_tiles=1):
-    """sm90::Cfg<bn, ..., a_tiles>::STAGES: 3 stages with two A tiles, else 4 at bn 256 and 6 at 128."""
+    """The stage ring's depth of an sm_90a kernel (its STAGES template argument): as many stages of a_tiles A tiles
+    and one B tile of bn rows as fit beside the epilogue staging: 3 with two A tiles, else 4 at bn 256 and 6 at
+    128."""
     return 3 if a_tiles == 2 else 4 if bn == 256 else 6
 
 
 def _smem90(bn=BN90, staging=True, a_tiles=1):
-    """sm90::Cfg<bn, staging, a_tiles>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of 128 rows and
+    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of 128 rows and
     one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256 and 6 at 128), then
     for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
     epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
@@ -275,7 +290,7 @@ class _Kernels:
         for this launch (sm_90a)."""
         v = self.variants[which]
         if self.sm90:
-            a_tiles = 2 if which == "gemm2z" and self.gated else 1
+            a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
             return KernelVariant(file, _name90(self.ct, which, v, carry_in, b_load or self.b_load), NTHREADS90, BM,
                                  BN90, _stages90(BN90, a_tiles), _smem90(BN90, which in _M_GROUPED, a_tiles))
@@ -333,38 +348,51 @@ def _rows_map(kern, X, ldx, cols, box_rows):
     return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, box_rows))
 
 
-def _launch_gemm(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, M, N, Kd,
-                 out, ldo, o_estride=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0,
-                 gates=None, topk=1, part=None, part_ld=0, flags=0, kblocks=None, num_kblocks=0, carry=None,
-                 carry_seen=None):
-    # a K-grouped launch with a carry continues earlier chunks' sums when flags & 1
-    carry_in = carry is not None and bool(flags & 1)
+GEMM_LAUNCHERS = ("_launch_m", "_launch_k")  # the launchers of every expert GEMM (the benchmarks time them)
+
+
+def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, N, Kd, out, ldo,
+              up=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0, gates=None, topk=1, part=None,
+              part_ld=0, store_h=False, store_z=False):
+    """One M-grouped GEMM (gemm1, gemm2, gemm2z, dhcur, dx): its MGroupedArgs (moe_args.cuh; ``up`` and
+    ``store_h`` / ``store_z`` as documented there) and, on sm_90a, its tensor maps."""
+    args = _moe_args.pack(
+        _moe_args.M_GROUPED, A=A, B=B, slot_token=disp.slot_token, slot_k=disp.slot_k, offsets=disp.expert_offsets,
+        tile_offsets=tile_offsets, out=out, out2=out2, aux=aux, bias=bias, gates=gates, part=part, lda=lda, ldb=ldb,
+        b_estride=b_estride, ldo=ldo, ldo2=ldo2, ldaux=ldaux, bias_estride=bias_estride, up=up, num_experts=E, N=N,
+        Kd=Kd, topk=topk, part_ld=part_ld, store_h=store_h, store_z=store_z)
     extra, b_load = (), None
-    if kern.sm90 and which not in _M_GROUPED:  # the weight gradients: B (by slot) by TMA where it can go so
-        bmap = _rows_map(kern, B, ldb, N, 64)
-        b_load = "tma" if bmap is not None else "cp_async"
-        extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
-    if kern.sm90 and which in _M_GROUPED:
+    if kern.sm90:
         grid = _persistent_grid(grid)
-        up = o_estride if which == "gemm1" else 0  # gated gemm1: the up half's row offset (0: N)
         amap = _rows_map(kern, A, lda, Kd, BM) if which in _A_TMA else None
         if which in _A_TMA and amap is None:
             b_load = "cp_async"  # the A_TMA kernels take B by TMA too: both by cp.async
-        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up) if b_load is None else _tma.null_map()
+        # gemm1: B's up half ``up`` rows after the gate rows (0: N)
+        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if which == "gemm1" else 0) \
+            if b_load is None else _tma.null_map()
         extra = (bmap, _tma.null_map() if amap is None else amap)  # the kernel's tmap_b, tmap_a
+    fn, kv = kern.gemm(which, b_load=b_load)
+    fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
+
+
+def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,
+              num_kblocks, carry=None, carry_seen=None, flags=0):
+    """One K-grouped GEMM (dw13, dw2): its KGroupedArgs (moe_args.cuh) and, on sm_90a, its tensor maps. With a
+    ``carry``, ``flags`` is the chunk's position in the backward: 1 continues an earlier chunk's sums, 2 keeps them
+    for a later one."""
+    carry_in = carry is not None and bool(flags & 1)
+    carry_out = carry is not None and bool(flags & 2)
+    args = _moe_args.pack(
+        _moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets, kblocks=kblocks,
+        out=out, carry=carry, carry_seen=carry_seen, lda=lda, ldb=ldb, ldo=ldo, o_estride=o_estride, num_experts=E,
+        M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out)
+    extra, b_load = (), None
+    if kern.sm90:  # B (by slot) by TMA where it can go so
+        bmap = _rows_map(kern, B, ldb, N, 64)
+        b_load = "tma" if bmap is not None else "cp_async"
+        extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
-    fn(
-        (int(grid),), (kv.threads,),
-        (
-            A, np.int64(lda), B, np.int64(ldb), np.int64(b_estride),
-            disp.slot_token, disp.slot_k, disp.expert_offsets, _ptr(tile_offsets),
-            np.int32(E), np.int32(M), np.int32(N), np.int32(Kd),
-            out, np.int64(ldo), np.int64(o_estride), _ptr(out2), np.int64(ldo2), _ptr(aux), np.int64(ldaux),
-            _ptr(bias), np.int64(bias_estride), _ptr(gates), np.int32(topk), _ptr(part), np.int32(part_ld),
-            np.int32(flags), _ptr(kblocks), np.int32(num_kblocks), _ptr(carry), _ptr(carry_seen), *extra,
-        ),
-        shared_mem=kv.smem, stream=stream,
-    )
+    fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 
 def _acc_mode(i: int, n: int) -> int:
@@ -408,15 +436,14 @@ def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream, 
     H2 = w13.shape[2 if kern.t else 1]
     r0 = 2 * c0 if kern.interleaved else c0  # the slice's first row of w13 (first column "in_out") and of b13
     up = h if kern.gated and not kern.interleaved and w != h else 0  # its up half's rows: h after the gate rows
-    flags = (1 if hbuf is not None else 0) | (2 if zbuf is not None else 0)
     ldh = h if hbuf is None else hbuf.shape[1]
     # w13 (E, H2, d): K-major rows of d; "in_out" (E, d, H2): N-major, k-rows of H2
-    _launch_gemm(kern, "gemm1", _m_grid(LK, E, kern.tiles_n("gemm1", w, gated=kern.gated)), stream, A=x, lda=d,
-                 B=w13[:, :, r0:] if kern.t else w13[:, r0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
-                 disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d,
-                 out=hbuf if hbuf is not None else zbuf, ldo=ldh, o_estride=up, out2=zbuf,
-                 ldo2=H2 if zbuf is None else zbuf.shape[1], bias=None if b13 is None else b13[:, r0:],
-                 bias_estride=H2, flags=flags)
+    _launch_m(kern, "gemm1", _m_grid(LK, E, kern.tiles_n("gemm1", w, gated=kern.gated)), stream, A=x, lda=d,
+              B=w13[:, :, r0:] if kern.t else w13[:, r0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
+              disp=disp, tile_offsets=tile_offsets, E=E, N=w, Kd=d,
+              out=hbuf if hbuf is not None else zbuf, ldo=ldh, up=up, out2=zbuf,
+              ldo2=H2 if zbuf is None else zbuf.shape[1], bias=None if b13 is None else b13[:, r0:],
+              bias_estride=H2, store_h=hbuf is not None, store_z=zbuf is not None)
 
 
 def _dims(x, w13, w2, gates, t=False):
@@ -471,10 +498,10 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_
         w = c1 - c0
         rows = obuf[:LK * w].reshape(LK, w)
         # w2 (E, d, h): rows c0.. of d, K-major; "in_out" (E, h, d): columns c0.., N-major
-        _launch_gemm(kern, "gemm2z" if fused else "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=a,
-                     lda=lda, B=w2[:, :, c0:] if kern.t else w2[:, c0:], ldb=d if kern.t else h, b_estride=d * h,
-                     disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=h, out=rows, ldo=w,
-                     bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
+        _launch_m(kern, "gemm2z" if fused else "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", w)), stream, A=a,
+                  lda=lda, B=w2[:, :, c0:] if kern.t else w2[:, c0:], ldb=d if kern.t else h, b_estride=d * h,
+                  disp=disp, tile_offsets=tile_offsets, E=E, N=w, Kd=h, out=rows, ldo=w,
+                  bias=None if b2 is None else b2[:, c0:], bias_estride=d, gates=gates, topk=K)
         if i == len(sl) - 1:
             del a
         _combine(kern, rows, disp, K, y[:, c0:], d, stream)
@@ -502,10 +529,10 @@ def _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, s
             we = e1 - e0
             rows = obuf[:LK * we].reshape(LK, we)
             # w2 (E, d, h): rows e0.. of d, columns c0.. of h, K-major; "in_out" (E, h, d): N-major
-            _launch_gemm(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", we)), stream, A=hs, lda=w,
-                         B=w2[:, c0:, e0:] if kern.t else w2[:, e0:, c0:], ldb=d if kern.t else h, b_estride=d * h,
-                         disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=w, out=rows, ldo=we,
-                         bias=None if b2 is None or si > 0 else b2[:, e0:], bias_estride=d, gates=gates, topk=K)
+            _launch_m(kern, "gemm2", _m_grid(LK, E, kern.tiles_n("gemm2", we)), stream, A=hs, lda=w,
+                      B=w2[:, c0:, e0:] if kern.t else w2[:, e0:, c0:], ldb=d if kern.t else h, b_estride=d * h,
+                      disp=disp, tile_offsets=tile_offsets, E=E, N=we, Kd=w, out=rows, ldo=we,
+                      bias=None if b2 is None or si > 0 else b2[:, e0:], bias_estride=d, gates=gates, topk=K)
             _combine(kern, rows, disp, K, y[:, e0:], d, stream, acc[:, e0:], mode)
     del hbuf, obuf, acc
 
@@ -646,11 +673,11 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         hg = hgbuf[:LK * w].reshape(LK, w)
         zc0 = 2 * c0 if kern.interleaved else c0  # the slice's first column of z / dz
         # w2 (E, d, h): columns c0.. of h, N-major; "in_out" (E, h, d): rows c0.., K-major
-        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
-                     B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
-                     tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d, out=dz[:, zc0:], ldo=H2,
-                     o_estride=h if gated and not kern.interleaved else 0, out2=hg, ldo2=w, aux=z[:, zc0:],
-                     ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
+        _launch_m(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
+                  B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
+                  tile_offsets=tile_offsets, E=E, N=w, Kd=d, out=dz[:, zc0:], ldo=H2,
+                  up=h if gated and not kern.interleaved else 0, out2=hg, ldo2=w, aux=z[:, zc0:],
+                  ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
         _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=carry and carry.dw2_at(0), **ck)
     del z, hg, hgbuf
     _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
@@ -669,9 +696,9 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
             dxs = _array.empty_gpu((LK * w,), dt).view
         rows = dxs[:LK * w].reshape(LK, w)
         # w13 (E, H2, d): columns c0.. of d, N-major; "in_out" (E, d, H2): rows c0.., K-major
-        _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2,
-                     B=w13[:, c0:] if kern.t else w13[:, :, c0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
-                     disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=H2, out=rows, ldo=w)
+        _launch_m(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2,
+                  B=w13[:, c0:] if kern.t else w13[:, :, c0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
+                  disp=disp, tile_offsets=tile_offsets, E=E, N=w, Kd=H2, out=rows, ldo=w)
         _combine(kern, rows, disp, K, dx[:, c0:], d, stream)
     del dz, dxs
 
@@ -680,13 +707,13 @@ def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None
     """dw2's columns [c0, c0 + w) of h (stored "in_out": rows) from the slice's g * hcur rows hg (L*K, w)."""
     w = hg.shape[1]
     if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
-        _launch_gemm(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=w, N=d, Kd=0, out=dw2[:, c0:], ldo=d,
-                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+        _launch_k(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
+                  disp=disp, E=E, M=w, N=d, out=dw2[:, c0:], ldo=d,
+                  o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
     else:
-        _launch_gemm(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=w, Kd=0, out=dw2[:, :, c0:], ldo=h,
-                     o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+        _launch_k(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
+                  disp=disp, E=E, M=d, N=w, out=dw2[:, :, c0:], ldo=h,
+                  o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
 
 
 def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, i, flags):
@@ -699,13 +726,13 @@ def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, st
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw13_at(i)}
     if kern.t or kern.sm90:  # "in_out": W^T = x_g^T dz, stored as is; sm_90a: the same tiles stored transposed
         out, ldo = (dw13[:, :, row0:], H2) if kern.t else (dw13[:, row0:], d)
-        _launch_gemm(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", pw), stream, A=x, lda=d, B=dzp, ldb=ldz,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=d, N=pw, Kd=0, out=out, ldo=ldo,
-                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
+        _launch_k(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", pw), stream, A=x, lda=d, B=dzp, ldb=ldz,
+                  disp=disp, E=E, M=d, N=pw, out=out, ldo=ldo,
+                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
     else:
-        _launch_gemm(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,
-                     b_estride=0, disp=disp, tile_offsets=None, E=E, M=pw, N=d, Kd=0, out=dw13[:, row0:], ldo=d,
-                     o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
+        _launch_k(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,
+                  disp=disp, E=E, M=pw, N=d, out=dw13[:, row0:], ldo=d,
+                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
     if db13 is not None:
         cb = None if carry is None else carry.db13[E * row0:]
         kern.fn(f"blz::moe_bias_grad<{kern.ct}>")(
@@ -785,10 +812,10 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
         _gemm1(kern, x, w13, saved.b13, disp, tile_offsets, E, LK, h, None, z, stream, c0=c0, w=w)
         hg = hgbuf[:LK * w].reshape(LK, w)
         # w2 (E, d, h): columns c0.. of h, N-major; "in_out" (E, h, d): rows c0.., K-major. dz over z.
-        _launch_gemm(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
-                     B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
-                     tile_offsets=tile_offsets, E=E, M=LK, N=w, Kd=d, out=z, ldo=r * w, out2=hg, ldo2=w, aux=z,
-                     ldaux=r * w, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
+        _launch_m(kern, "dhcur", _m_grid(LK, E, kern.tiles_n("dhcur", w)), stream, A=dy, lda=d,
+                  B=w2[:, c0:] if kern.t else w2[:, :, c0:], ldb=d if kern.t else h, b_estride=d * h, disp=disp,
+                  tile_offsets=tile_offsets, E=E, N=w, Kd=d, out=z, ldo=r * w, out2=hg, ldo2=w, aux=z,
+                  ldaux=r * w, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
         ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw2_at(si)}
         _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, **ck)
         for p, (zc, row0, pw) in enumerate(_z_parts(c0, w, h, gated, kern.interleaved)):
@@ -800,10 +827,10 @@ def _backward_z_sliced(kern, saved, dy, x, gates, disp, tile_offsets, block_toke
                 we = e1 - e0
                 rows = dxs[:LK * we].reshape(LK, we)
                 # w13 (E, H2, d): rows row0.., columns e0.. of d, N-major; "in_out" (E, d, H2): K-major
-                _launch_gemm(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", we)), stream, A=dzp, lda=r * w,
-                             B=w13[:, e0:, row0:] if kern.t else w13[:, row0:, e0:], ldb=H2 if kern.t else d,
-                             b_estride=H2 * d, disp=disp, tile_offsets=tile_offsets, E=E, M=LK, N=we, Kd=pw,
-                             out=rows, ldo=we)
+                _launch_m(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", we)), stream, A=dzp, lda=r * w,
+                          B=w13[:, e0:, row0:] if kern.t else w13[:, row0:, e0:], ldb=H2 if kern.t else d,
+                          b_estride=H2 * d, disp=disp, tile_offsets=tile_offsets, E=E, N=we, Kd=pw,
+                          out=rows, ldo=we)
                 _combine(kern, rows, disp, K, dx[:, e0:], d, stream, acc[:, e0:], mode)
     del zbuf, hgbuf, acc, dxs
     _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)

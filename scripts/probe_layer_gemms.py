@@ -40,24 +40,28 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
             step()
         layer = timer.per_call()
     # the launches of one more call, kept with their arguments (the tensors stay alive in `kept`)
-    orig = _moe_gpu._launch_gemm
+    origs = {name: getattr(_moe_gpu, name) for name in _moe_gpu.GEMM_LAUNCHERS}
     launches = []
 
-    def record(kern, which, grid, stream, *a, **kw):
-        launches.append((kern, which, grid, stream, a, kw))
-        return orig(kern, which, grid, stream, *a, **kw)
+    def recorder(orig):
+        def record(kern, which, grid, stream, *a, **kw):
+            launches.append((orig, kern, which, grid, stream, a, kw))
+            return orig(kern, which, grid, stream, *a, **kw)
+        return record
 
-    _moe_gpu._launch_gemm = record
+    for name, orig in origs.items():
+        setattr(_moe_gpu, name, recorder(orig))
     try:
         kept = step()
     finally:
-        _moe_gpu._launch_gemm = orig
+        for name, orig in origs.items():
+            setattr(_moe_gpu, name, orig)
     torch.cuda.synchronize()
     stream = cupy.cuda.get_current_stream()
     replay: dict = {}
     for i in range(reps + 1):
         sums: dict = {}
-        for kern, which, grid, st, a, kw in launches:
+        for orig, kern, which, grid, st, a, kw in launches:
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
             e0.record(stream)
             orig(kern, which, grid, st, *a, **kw)
@@ -69,7 +73,7 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
             for k, v in sums.items():
                 replay.setdefault(k, []).append(v)
     del kept
-    for kern, which, grid, _st, _a, kw in launches:  # what each weight-gradient launch ran
+    for _orig, kern, which, grid, _st, _a, kw in launches:  # what each weight-gradient launch ran
         if which in ("dw13", "dw2"):
             amap = _moe_gpu._rows_map(kern, kw["B"], kw["ldb"], kw["N"], 64)
             print(f"{shape} {which}: {kern.variant(which, b_load='tma' if amap is not None else 'cp_async').name} "

@@ -148,9 +148,9 @@ def gemm_launches(kern, p, which, outs):
         ob = outs.setdefault("o", p.alloc((LK * max(c1 - c0 for c0, c1 in sl),)))
         for c0, c1 in sl:
             w = c1 - c0
-            calls.append(lambda c0=c0, w=w: G._launch_gemm(
+            calls.append(lambda c0=c0, w=w: G._launch_m(
                 kern, "gemm2", G._m_grid(LK, E, kern.tiles_n("gemm2", w)), _cp().cuda.get_current_stream(),
-                A=p.hbuf, lda=h, B=p.w2[:, c0:], ldb=h, b_estride=d * h, disp=p.disp, tile_offsets=to, E=E, M=LK,
+                A=p.hbuf, lda=h, B=p.w2[:, c0:], ldb=h, b_estride=d * h, disp=p.disp, tile_offsets=to, E=E,
                 N=w, Kd=h, out=ob[:LK * w].reshape(LK, w), ldo=w,
                 bias=None if p.b2 is None else p.b2[:, c0:], bias_estride=d, gates=p.gates, topk=p.K))
     elif which == "dhcur":
@@ -164,10 +164,10 @@ def gemm_launches(kern, p, which, outs):
         for c0, c1 in sl:
             w = c1 - c0
             # z is read (aux) and dz written to a separate buffer, so repeated launches see the same inputs
-            calls.append(lambda c0=c0, w=w: G._launch_gemm(
+            calls.append(lambda c0=c0, w=w: G._launch_m(
                 kern, "dhcur", G._m_grid(LK, E, kern.tiles_n("dhcur", w)), _cp().cuda.get_current_stream(),
-                A=p.dy, lda=d, B=p.w2[:, :, c0:], ldb=h, b_estride=d * h, disp=p.disp, tile_offsets=to, E=E, M=LK,
-                N=w, Kd=d, out=dzb[:, c0:], ldo=H2, o_estride=h if gated else 0, out2=hg[:LK * w].reshape(LK, w),
+                A=p.dy, lda=d, B=p.w2[:, :, c0:], ldb=h, b_estride=d * h, disp=p.disp, tile_offsets=to, E=E,
+                N=w, Kd=d, out=dzb[:, c0:], ldo=H2, up=h if gated else 0, out2=hg[:LK * w].reshape(LK, w),
                 ldo2=w, aux=p.z[:, c0:], ldaux=H2, gates=p.gates, topk=p.K, part=part[:, c0 // bn_h:],
                 part_ld=tiles_nh))
     else:
@@ -175,10 +175,10 @@ def gemm_launches(kern, p, which, outs):
         rows = outs.setdefault("dxs", p.alloc((LK * max(c1 - c0 for c0, c1 in sl),)))
         for c0, c1 in sl:
             w = c1 - c0
-            calls.append(lambda c0=c0, w=w: G._launch_gemm(
+            calls.append(lambda c0=c0, w=w: G._launch_m(
                 kern, "dx", G._m_grid(LK, E, kern.tiles_n("dx", w)), _cp().cuda.get_current_stream(),
                 A=p.dz, lda=H2, B=p.w13[:, :, c0:], ldb=d, b_estride=H2 * d, disp=p.disp, tile_offsets=to, E=E,
-                M=LK, N=w, Kd=H2, out=rows[:LK * w].reshape(LK, w), ldo=w))
+                N=w, Kd=H2, out=rows[:LK * w].reshape(LK, w), ldo=w))
     del stream
     return calls
 

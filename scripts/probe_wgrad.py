@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import torch
 
     import blazecore
-    from blazecore import _compile, _tma
+    from blazecore import _compile, _moe_args, _tma
     from blazecore import _moe_gpu as G
 
     ct = "__nv_bfloat16"
@@ -67,7 +67,6 @@ def main(argv=None) -> int:
     fns = {k: _compile.get_function(G._FILE_WGRAD90, n, module_names=module, max_dynamic_smem=smem)
            for k, n in names.items()}
     null = _tma.null_map()
-    i32, i64 = np.int32, np.int64
 
     tma_kern = G._Kernels(G.BF16, "swiglu", b_load="tma")
 
@@ -75,11 +74,10 @@ def main(argv=None) -> int:
         return G._rows_map(tma_kern, t, t.shape[1], cols, 64)
 
     def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream, blk):
-        fn((int(grid),), (G.NTHREADS90,),
-           (A, i64(lda), B, i64(ldb), i64(0), disp.slot_token, disp.slot_k, disp.expert_offsets, G._NULL,
-            i32(E), i32(M), i32(N), i32(0), out, i64(ldo), i64(oes), G._NULL, i64(0), G._NULL, i64(0), G._NULL,
-            i64(0), G._NULL, i32(1), G._NULL, i32(0), i32(0), G._ptr(blk[0]), i32(blk[1]), G._NULL, G._NULL, ma,
-            mb), shared_mem=smem, stream=stream)
+        args_ = _moe_args.pack(_moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets,
+                               kblocks=blk[0], out=out, carry=None, carry_seen=None, lda=lda, ldb=ldb, ldo=ldo,
+                               o_estride=oes, num_experts=E, M=M, N=N, num_kblocks=blk[1], carry_in=0, carry_out=0)
+        fn((int(grid),), (G.NTHREADS90,), (args_, ma, mb), shared_mem=smem, stream=stream)
 
     rows = []
     for shape in args.shapes.split(","):

@@ -10,12 +10,13 @@ alone, it does not. Needs no GPU.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
 
 import blazecore
-from blazecore import _array, _compile, _moe_gpu
+from blazecore import _array, _compile, _moe_args, _moe_gpu
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy (extra cuda12 or cuda13)")
 
@@ -41,9 +42,8 @@ def _sm90_asserts() -> list[str]:
     G = _moe_gpu
     out = [f"blz::sm90::THREADS == {G.NTHREADS90}", f"blz::sm90::BM == {G.BM}"]
     for bn, staging, a_tiles in itertools.product((128, 256), (False, True), (1, 2)):
-        cfg = f"blz::sm90::Cfg<{bn}, {'true' if staging else 'false'}, {a_tiles}>"
+        cfg = f"blz::sm90::Cfg<{bn}, {'true' if staging else 'false'}, {a_tiles}, {G._stages90(bn, a_tiles)}>"
         out.append(f"{cfg}::SMEM_BYTES == {G._smem90(bn, staging, a_tiles)}")
-        out.append(f"{cfg}::STAGES == {G._stages90(bn, a_tiles)}")
     return out
 
 
@@ -59,11 +59,77 @@ def test_launcher_constants_match_the_kernels(include, asserts, arch):
     _compile.compile_source(_source(include, asserts()), "kernel_config_check.cu", (), arch)
 
 
+def test_a_ring_too_deep_for_shared_memory_fails_to_compile():
+    """The layout refuses a stage count whose ring does not fit a CTA's shared memory."""
+    with pytest.raises(_compile.CompileError, match="fit a CTA"):
+        _compile.compile_source(_source("sm90_common.cuh", ["blz::sm90::Cfg<256, true, 1, 5>::SMEM_BYTES > 0"]),
+                                "kernel_config_check.cu", (), "sm_90a")
+
+
 def test_a_drifted_constant_fails_to_compile():
     """The check can fail: one shared-memory figure off by 16 bytes is a compile error naming it."""
-    bad = f"blz::sm90::Cfg<256, true, 1>::SMEM_BYTES == {_moe_gpu._smem90(256, True, 1) + 16}"
+    bad = f"blz::sm90::Cfg<256, true, 1, 4>::SMEM_BYTES == {_moe_gpu._smem90(256, True, 1) + 16}"
     with pytest.raises(_compile.CompileError, match="SMEM_BYTES"):
         _compile.compile_source(_source("sm90_common.cuh", [bad]), "kernel_config_check.cu", (), "sm_90a")
+
+
+def _c_layout(name: str, ct: str, fields) -> dict[str, tuple[int, int]]:
+    """(offset, sizeof) of each named field of blz::<name><ct> as the CUDA compiler lays the struct out: one probe
+    kernel a field writes its byte offset (a constant the compiler folds) and the struct's size; both are read back
+    from the PTX (NVRTC has no offsetof). A field the header lacks is a compile error."""
+    src = f'#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include "moe_args.cuh"\nusing S = blz::{name}<{ct}>;\n'
+    src += "static_assert(S::FIELDS == %d, \"the mirror has S::FIELDS fields\");\n" % len(fields)
+    for f in fields:
+        src += (f'extern "C" __global__ void probe_{f}(long long* o) {{ S s{{}}; o[0] = '
+                f"reinterpret_cast<const char*>(&s.{f}) - reinterpret_cast<const char*>(&s); o[1] = sizeof(S); }}\n")
+    ptx, _, _ = _compile.compile_source(src, "args_layout_check.cu", (), "sm_80", ptx=True)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    out = {}
+    for m in re.finditer(r"\.entry probe_(\w+)\((.*?)\n\}", ptx, re.S):
+        consts = [int(v) for v in re.findall(r"mov\.[bu]64\s+%rd\d+,\s*(\d+);", m.group(2))]
+        assert len(consts) == 2, m.group(0)
+        out[m.group(1)] = (consts[0], consts[1])
+    return out
+
+
+@pytest.mark.parametrize("ct", list(_CT))
+@pytest.mark.parametrize("name", list(_moe_args.STRUCTS))
+def test_argument_structs_match_their_mirror(name, ct):
+    """Every field of the argument structs (moe_args.cuh) sits at the offset its NumPy mirror gives it, the sizes
+    agree and the header counts as many fields as the mirror has."""
+    dt = _moe_args.STRUCTS[name]
+    layout = _c_layout(name, ct, dt.names)
+    assert {f: layout[f][0] for f in dt.names} == {f: dt.fields[f][1] for f in dt.names}
+    assert {v[1] for v in layout.values()} == {dt.itemsize}
+
+
+def test_a_drifted_argument_field_is_seen():
+    """The layout check can fail: a mirror with two fields swapped reads different offsets from the header, and a
+    field the header lacks does not compile."""
+    dt = _moe_args.K_GROUPED
+    layout = _c_layout("KGroupedArgs", "float", dt.names)
+    assert layout["M"][0] != dt.fields["N"][1] and layout["N"][0] != dt.fields["M"][1]
+    with pytest.raises(_compile.CompileError, match="flags"):
+        _c_layout("KGroupedArgs", "float", (*dt.names[:-1], "flags"))
+
+
+def test_argument_structs_take_every_field_by_name():
+    """pack fills each field from its name (pointers from arrays' addresses, None as 0) and refuses a missing or an
+    unknown one."""
+    dt = _moe_args.K_GROUPED
+    vals = {f: i + 1 for i, f in enumerate(dt.names)}
+    vals["carry"] = None
+    v = _moe_args.pack(dt, **vals)
+    assert [int(v[f]) for f in dt.names] == [0 if f == "carry" else i + 1 for i, f in enumerate(dt.names)]
+    assert v.dtype.itemsize == dt.itemsize
+    missing = dict(vals)
+    del missing["ldo"]
+    with pytest.raises(TypeError, match="missing \\['ldo'\\]"):
+        _moe_args.pack(dt, **missing)
+    with pytest.raises(TypeError, match="unknown \\['flags'\\]"):
+        _moe_args.pack(dt, **vals, flags=1)
+    with pytest.raises(TypeError, match="pointer field"):
+        _moe_args.pack(dt, **{**vals, "A": "not an array"})
 
 
 def _activations():

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "moe_args.cuh"
 
 
 namespace blz {
@@ -156,6 +157,10 @@ enum Epi : int {
   EPI_DHCUR = 2,     // dh' = acc; recompute hcur from z; dgates partials; dz = act backward; hg = g * hcur
   EPI_WGRAD = 3,     // per-expert weight gradient tile store
 };
+
+// The argument struct (moe_args.cuh) of a kernel that serves both modes (moe_gemm).
+template <int MODE, typename T> struct GemmArgsFor { using type = MGroupedArgs<T>; };
+template <typename T> struct GemmArgsFor<MODE_K, T> { using type = KGroupedArgs<T>; };
 
 // The expert owning global m-tile v: the largest e with offs[e] <= v (experts with no tile repeat a value).
 __device__ __forceinline__ int find_expert(const int* __restrict__ offs, int n, int v) {

@@ -33,26 +33,59 @@ template <typename T, bool KMAJOR, int ROWS> __host__ __device__ constexpr int t
   return KMAJOR ? ROWS * (Tile<T>::BK + Tile<T>::PAD) : Tile<T>::BK * (ROWS + Tile<T>::PAD);
 }
 
+// Arguments: MGroupedArgs<T> (MODE_M) or KGroupedArgs<T> (MODE_K), moe_args.cuh.
 template <typename T, int MODE, bool A_KMAJOR, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, bool B_GATHER>
-__global__ void __launch_bounds__(NTHREADS) moe_gemm(
-    const T* __restrict__ A, long long lda,           // A rows: x / dy / hcur / dz ...
-    const T* __restrict__ B, long long ldb, long long b_estride,  // B: per-expert weights, or slot rows
-    const int* __restrict__ slot_token,               // (L*K) gather map for A_GATHER / B_GATHER, gate lookup
-    const int* __restrict__ slot_k,                   // (L*K)
-    const int* __restrict__ offsets,                  // (E+1) expert_offsets
-    const int* __restrict__ tile_offsets,             // (E+1) cumulative m-tiles per expert (MODE_M)
-    int num_experts, int M, int N, int Kd,            // MODE_M: M = L*K, N = output cols, Kd = reduction
-    T* out, long long ldo, long long o_estride,       // out and aux may alias (EPI_DHCUR writes dz over z; its
-                                                      // o_estride: z / dz up-half offset, 0 = N; gated EPI_ACT's:
-                                                      // B's up-half row (N-major: column) and b13's offset, 0 = N)
-    T* __restrict__ out2, long long ldo2,
-    const T* aux, long long ldaux,                    // z (pre-activations) read by EPI_DHCUR
-    const T* __restrict__ bias, long long bias_estride,
-    const float* __restrict__ gates, int topk,        // (L, K) gates, gate(s) = gates[slot_token[s]*K + slot_k[s]]
-    float* __restrict__ part, int part_ld,            // (L*K, tiles_n) dgates partial sums
-    int flags,
-    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
-    float* __restrict__ carry, const int* __restrict__ carry_seen) {  // K-grouped: fp32 partial sums
+__global__ void __launch_bounds__(NTHREADS) moe_gemm(const typename GemmArgsFor<MODE, T>::type p) {
+  // the fields of both families under one set of names (the other family's read as 0 / null)
+  const T* __restrict__ A = p.A;
+  const T* __restrict__ B = p.B;
+  const int* __restrict__ slot_token = p.slot_token;
+  const int* __restrict__ offsets = p.offsets;
+  const long long lda = p.lda, ldb = p.ldb;
+  const int num_experts = p.num_experts, N = p.N;
+  T* out = p.out;  // MODE_M: out and aux may alias (EPI_DHCUR writes dz over z)
+  const long long ldo = p.ldo;
+  const int* __restrict__ slot_k = nullptr;
+  const int* __restrict__ tile_offsets = nullptr;
+  const int* __restrict__ kblocks = nullptr;
+  const T* __restrict__ bias = nullptr;
+  const T* aux = nullptr;
+  T* __restrict__ out2 = nullptr;
+  const float* __restrict__ gates = nullptr;
+  float* __restrict__ part = nullptr;
+  float* __restrict__ carry = nullptr;
+  const int* __restrict__ carry_seen = nullptr;
+  long long b_estride = 0, o_estride = 0, ldo2 = 0, ldaux = 0, bias_estride = 0, up = 0;
+  int M = 0, Kd = 0, topk = 1, part_ld = 0, num_kblocks = 0;
+  bool store_h = false, store_z = false, carry_in_asked = false, carry_out = false;
+  if constexpr (MODE == MODE_M) {
+    slot_k = p.slot_k;
+    tile_offsets = p.tile_offsets;
+    bias = p.bias;
+    aux = p.aux;
+    out2 = p.out2;
+    gates = p.gates;
+    part = p.part;
+    b_estride = p.b_estride;
+    ldo2 = p.ldo2;
+    ldaux = p.ldaux;
+    bias_estride = p.bias_estride;
+    up = p.up;
+    Kd = p.Kd;
+    topk = p.topk;
+    part_ld = p.part_ld;
+    store_h = p.store_h != 0;
+    store_z = p.store_z != 0;
+  } else {
+    kblocks = p.kblocks;
+    carry = p.carry;
+    carry_seen = p.carry_seen;
+    o_estride = p.o_estride;
+    M = p.M;
+    num_kblocks = p.num_kblocks;
+    carry_in_asked = p.carry_in != 0;
+    carry_out = p.carry_out != 0;
+  }
   using TL = Tile<T>;
   constexpr int BK = TL::BK, EPC = TL::EPC, PAD = TL::PAD;
   constexpr int AB = act_base(ACT);             // the activation; ACT may carry ACT_INTERLEAVED
@@ -78,7 +111,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
   const int tiles_n = HALF_N ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
   const int NB = (HALF_N && IL) ? 2 * N : N;  // bound of B's output-column index n of a plain tile
   // gated EPI_ACT: where B's (and the bias') up half starts; a launch over a column slice of h passes h
-  const long long bup = (GATED && o_estride) ? o_estride : N;
+  const long long bup = (GATED && up) ? up : N;
   if constexpr (MODE == MODE_M) {
     const long long bid = blockIdx.x;
     const int tmg = static_cast<int>(bid / tiles_n);
@@ -199,9 +232,9 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
     for (int j = 0; j < NF; ++j)
 #pragma unroll
       for (int v = 0; v < 4; ++v) acc[i][j][v] = 0.f;
-  // K-grouped with flags & 1: continue the partial sums an earlier launch left in carry (chunked execution)
+  // K-grouped with carry_in: continue the partial sums an earlier launch left in carry (chunked execution)
   constexpr int ACC_N = MF * NF * 4;
-  const bool carry_in = MODE == MODE_K && (flags & 1) && (carry_seen == nullptr || __ldg(carry_seen + e));
+  const bool carry_in = MODE == MODE_K && carry_in_asked && (carry_seen == nullptr || __ldg(carry_seen + e));
   if (carry_in) {
     const float* cb = carry + (long long)blockIdx.x * ACC_N * NTHREADS + tid;
 #pragma unroll
@@ -291,7 +324,7 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
 
   // ---- epilogues -----------------------------------------------------------------------------------
   if constexpr (EPI == EPI_WGRAD) {
-    if (flags & 2) {  // partial sums for a later launch, in this CTA's private fp32 slice of carry
+    if (carry_out) {  // partial sums for a later launch, in this CTA's private fp32 slice of carry
       float* cb = carry + (long long)blockIdx.x * ACC_N * NTHREADS + tid;
 #pragma unroll
       for (int i = 0; i < MF; ++i)
@@ -316,8 +349,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
       }
   } else if constexpr (EPI == EPI_ACT) {
     const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-    T* hout = (flags & 1) ? out : nullptr;
-    T* zout = (flags & 2) ? out2 : nullptr;
+    T* hout = store_h ? out : nullptr;
+    T* zout = store_z ? out2 : nullptr;
 #pragma unroll
     for (int i = 0; i < MF; ++i)
 #pragma unroll
@@ -363,8 +396,8 @@ __global__ void __launch_bounds__(NTHREADS) moe_gemm(
         }
       }
   } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e  (cols of h); out = dz (may alias aux = z), out2 = g * hcur
-    // a nonzero o_estride is the up half's column offset in z / dz (a launch over a column slice of h); 0: N
-    const int zup = o_estride ? static_cast<int>(o_estride) : N;
+    // a nonzero up is the up half's column offset in z / dz (a launch over a column slice of h); 0: N
+    const int zup = up ? static_cast<int>(up) : N;
 #pragma unroll
     for (int i = 0; i < MF; ++i)
 #pragma unroll

@@ -47,14 +47,14 @@
 namespace blz {
 
 // ---- the kernel ----------------------------------------------------------------------------------------
-// Same parameter list as moe_gemm (MODE_M); M is unused here, and so is o_estride but for EPI_DHCUR, where a
-// nonzero o_estride is the column offset of z's and dz's up half (a launch over a column slice of h passes h;
-// 0 means N), and for a gated EPI_ACT, where it is the offset of B's up-half rows (N-major: columns) and of the
-// bias' up half (a launch over a column slice of h passes h; 0 means N; z's up half stays at column N).
+// Arguments: moe_gemm's (MODE_M), MGroupedArgs (moe_args.cuh), then the tensor maps. args.up: EPI_DHCUR's column
+// offset of z's and dz's up half, a gated EPI_ACT's offset of B's up-half rows (N-major: columns) and of the bias'
+// up half (a launch over a column slice of h passes h; 0 means N; z's up half stays at column N).
 // T is __nv_bfloat16 or __half.
 // Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
 // BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
-// sm90::Cfg<BN>::SMEM_BYTES. Precondition: Kd > 0.
+// sm90::Cfg<BN, true, A tiles, STAGES>::SMEM_BYTES (STAGES: the ring's depth, the launcher's choice). Precondition:
+// Kd > 0.
 // B_TMA: the B tile comes by TMA (tmap_b, see below) instead of cp.async; the gathered A rows stay on cp.async.
 // A_TMA (with B_TMA, for a slot-ordered A: the second GEMM's hcur, dx's dz): the A tile comes by TMA too (tmap_a: 2-D
 // (Kd, rows of A), box (64, 128), 128-byte swizzle): rows m0 .. m0 + 127 whatever the expert's end, since the
@@ -64,27 +64,27 @@ namespace blz {
 //     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
 //     128-byte rows, which is the layout the cp.async path writes.
 //   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
-template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN = 256, bool B_TMA = false,
-          bool A_ACT = false, bool A_TMA = false>
+template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN, bool B_TMA, bool A_ACT, bool A_TMA,
+          int STAGES>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
-    const T* __restrict__ A, long long lda,
-    const T* __restrict__ B, long long ldb, long long b_estride,
-    const int* __restrict__ slot_token,
-    const int* __restrict__ slot_k,
-    const int* __restrict__ offsets,
-    const int* __restrict__ tile_offsets,
-    int num_experts, int M, int N, int Kd,
-    T* out, long long ldo, long long o_estride,  // out and aux may alias (EPI_DHCUR writes dz over z)
-    T* __restrict__ out2, long long ldo2,
-    const T* aux, long long ldaux,
-    const T* __restrict__ bias, long long bias_estride,
-    const float* __restrict__ gates, int topk,
-    float* __restrict__ part, int part_ld,
-    int flags,
-    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
-    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
-    const __grid_constant__ sm90::TmaMap tmap_b,                     // B_TMA: the B operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_a) {                   // A_TMA: the A operand's tensor map
+    const MGroupedArgs<T> p,
+    const __grid_constant__ sm90::TmaMap tmap_b,   // B_TMA: the B operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_a) {  // A_TMA: the A operand's tensor map
+  const T* __restrict__ A = p.A;
+  const T* __restrict__ B = p.B;
+  const int* __restrict__ slot_token = p.slot_token;
+  const int* __restrict__ slot_k = p.slot_k;
+  const int* __restrict__ offsets = p.offsets;
+  const int* __restrict__ tile_offsets = p.tile_offsets;
+  T* out = p.out;  // out and aux may alias (EPI_DHCUR writes dz over z)
+  T* __restrict__ out2 = p.out2;
+  const T* aux = p.aux;
+  const T* __restrict__ bias = p.bias;
+  const float* __restrict__ gates = p.gates;
+  float* __restrict__ part = p.part;
+  const long long lda = p.lda, ldb = p.ldb, b_estride = p.b_estride, ldo = p.ldo, ldo2 = p.ldo2, ldaux = p.ldaux;
+  const long long bias_estride = p.bias_estride;
+  const int num_experts = p.num_experts, N = p.N, Kd = p.Kd, topk = p.topk, part_ld = p.part_ld;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   static_assert(!A_ACT || (EPI == EPI_ROWSCALE && !A_GATHER), "A_ACT: the second GEMM's slot-ordered A only");
   static_assert(!A_TMA || (B_TMA && !A_GATHER && !A_ACT), "A_TMA: a slot-ordered A beside a TMA B");
   constexpr bool A2 = A_ACT && act_gated(ACT);  // two A tiles a stage: gate and up
-  using C = sm90::Cfg<BN, true, A2 ? 2 : 1>;
-  constexpr int STAGES = C::STAGES;
+  using C = sm90::Cfg<BN, true, A2 ? 2 : 1, STAGES>;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
   static_assert(!(B_TMA && GATED && !B_KMAJOR), "TMA B: gated tiles need K-major weights");
@@ -123,8 +122,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   const int mt_total = __ldg(tile_offsets + num_experts);
   const int total = mt_total * tiles_n;
   const int num_kt = (Kd + BK - 1) / BK;  // >= 1 (Kd > 0 for every M-grouped GEMM)
-  const long long zup = (EPI == EPI_DHCUR && o_estride) ? o_estride : N;  // EPI_DHCUR: z / dz up-half offset
-  const long long bup = (GATED && o_estride) ? o_estride : N;  // gated EPI_ACT: B's and the bias' up-half offset
+  const long long zup = (EPI == EPI_DHCUR && p.up) ? p.up : N;  // EPI_DHCUR: z / dz up-half offset
+  const long long bup = (GATED && p.up) ? p.up : N;  // gated EPI_ACT: B's and the bias' up-half offset
 
   if (tid == 0) {
 #pragma unroll
@@ -384,8 +383,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         constexpr int P = GATED ? 32 : 64, NARR = GATED ? 3 : 2, ARR = 16 * P * 2;
         static_assert(NARR * ARR <= sm90::EPI_WARP_BYTES, "act staging fits in the warp's area");
         const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
-        T* hout = (flags & 1) ? out : nullptr;
-        T* zout = (flags & 2) ? out2 : nullptr;
+        T* hout = p.store_h ? out : nullptr;
+        T* zout = p.store_z ? out2 : nullptr;
         const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
 #pragma unroll
         for (int p = 0; p < NC / P; ++p) {

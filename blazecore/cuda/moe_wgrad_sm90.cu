@@ -29,10 +29,10 @@ namespace blz {
 // ring (row pitch BN * 2 + 16 bytes: the fragment writes are bank-conflict free), then stores whole
 // 16-byte chunks row by row (coalesced); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
 // Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
-// Parameter list = moe_gemm's; used: A, lda, B, ldb, slot_token, offsets, num_experts, M, N, out, ldo,
-// o_estride. Kd, b_estride, tile_offsets and the epilogue extras are ignored.
+// Arguments: moe_gemm's (MODE_K), KGroupedArgs (moe_args.cuh), then the tensor maps; CARRY_IN instantiates the
+// launch whose args.carry_in is set.
 // Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
-// dynamic shared memory = sm90::Cfg<BN, false>::SMEM_BYTES (197696 bytes for BN = 256, 197728 for BN = 128).
+// dynamic shared memory = sm90::Cfg<BN, false, 1, STAGES>::SMEM_BYTES (197696 bytes for BN = 256 and 4 stages).
 
 // OUT_T: store the tile transposed, out[e][n][m] (the launcher computes dw13 = dz^T x_g as W^T = x_g^T dz, so
 // that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
@@ -69,35 +69,29 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
   }
 }
 
-template <typename T, bool A_GATHER, bool B_GATHER, int BN = 256, bool OUT_T = false, bool CARRY_IN = false,
-          bool A_TMA = false, bool B_TMA = false>
+template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
+          int STAGES>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
-    const T* __restrict__ A, long long lda,
-    const T* __restrict__ B, long long ldb, long long b_estride,
-    const int* __restrict__ slot_token,
-    const int* __restrict__ slot_k,
-    const int* __restrict__ offsets,
-    const int* __restrict__ tile_offsets,
-    int num_experts, int M, int N, int Kd,
-    T* __restrict__ out, long long ldo, long long o_estride,
-    T* __restrict__ out2, long long ldo2,
-    const T* __restrict__ aux, long long ldaux,
-    const T* __restrict__ bias, long long bias_estride,
-    const float* __restrict__ gates, int topk,
-    float* __restrict__ part, int part_ld,
-    int flags,
-    const int* __restrict__ kblocks, int num_kblocks,  // K-grouped: token-block starts (KTileWalk)
-    float* __restrict__ carry, const int* __restrict__ carry_seen,  // K-grouped: fp32 partial sums
-    const __grid_constant__ sm90::TmaMap tmap_a,                   // A_TMA: the A operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_b) {                 // B_TMA: the B operand's tensor map
+    const KGroupedArgs<T> p,
+    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
+  const T* __restrict__ A = p.A;
+  const T* __restrict__ B = p.B;
+  const int* __restrict__ slot_token = p.slot_token;
+  const int* __restrict__ offsets = p.offsets;
+  const int* __restrict__ kblocks = p.kblocks;
+  T* __restrict__ out = p.out;
+  float* __restrict__ carry = p.carry;
+  const int* __restrict__ carry_seen = p.carry_seen;
+  const long long lda = p.lda, ldb = p.ldb, ldo = p.ldo, o_estride = p.o_estride;
+  const int num_experts = p.num_experts, M = p.M, N = p.N, num_kblocks = p.num_kblocks;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
   static_assert(!(B_TMA && B_GATHER), "TMA B: the slot-indexed operand only (the copy engine does not gather rows)");
   constexpr bool ANY_TMA = A_TMA || B_TMA;
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
-  using C = sm90::Cfg<BN, false>;  // no epilogue staging area, no tile descriptors
-  constexpr int STAGES = C::STAGES;
+  using C = sm90::Cfg<BN, false, 1, STAGES>;  // no epilogue staging area, no tile descriptors
   constexpr int EPC = 8;                         // elements per 16-byte chunk
   constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
   static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");
@@ -203,7 +197,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
     const int t = tid & 127;
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
-    // CARRY_IN (flags & 1): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
+    // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
     // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Loading the
     // accumulators with ordinary instructions makes ptxas serialize the wgmma pipeline (C7515), so only the
     // CARRY_IN instantiation, used by the second and later chunks of a chunked backward, has that code.
@@ -260,7 +254,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                carry_in || (kt | ks) != 0);
     }, carry_in, zero_tail);  // an expert without slots leaves zero accumulators (or the carried sums)
-    if (flags & 2) {  // partial sums for the next chunk's launch instead of the gradient
+    if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
       return;
