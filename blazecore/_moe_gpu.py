@@ -151,22 +151,6 @@ def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=Fal
             f"{b(a_tma)}, {b(b_tma)}, {_stages90(BN90)}>")
 
 
-def _wgrad90_pair_name(ct, out_t):
-    """The weight gradient in 2-CTA clusters sharing the gathered A (moe_wgrad_sm90_pair)."""
-    return f"blz::moe_wgrad_sm90_pair<{ct}, {'true' if out_t else 'false'}, {_stages90(BN90)}>"
-
-
-def _smem90_pair():
-    """moe_wgrad_sm90.cu's wgrad_pair_smem_bytes<STAGES>(): the layout, then STAGES + 1 more mbarriers."""
-    return _smem90(BN90, staging=False) + 8 * (_stages90(BN90) + 1)
-
-
-def wgrad_pairs_asked() -> bool:
-    """Whether the sm_90a weight gradients run in 2-CTA clusters sharing the gathered rows (BLAZECORE_SM90_WGRAD_PAIR=1;
-    launches that carry fp32 sums between chunks never do)."""
-    return os.environ.get("BLAZECORE_SM90_WGRAD_PAIR", "0") == "1"
-
-
 def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
@@ -197,9 +181,8 @@ def _module_names90(ct, act):
 def _wgrad_names90(ct):
     """The sm_90a weight-gradient kernels of one dtype (activation-independent): one module of _FILE_WGRAD90."""
     variants = _variants(0)
-    names = [_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load)
-             for k in ("dw2", "dw13") for carry_in in (False, True) for b_load in B_LOADS]
-    return tuple(dict.fromkeys(names + [_wgrad90_pair_name(ct, out_t) for out_t in (False, True)]))
+    return tuple(dict.fromkeys(_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load)
+                               for k in ("dw2", "dw13") for carry_in in (False, True) for b_load in B_LOADS))
 
 
 def _stages90(bn=BN90, a_tiles=1):
@@ -210,9 +193,8 @@ def _stages90(bn=BN90, a_tiles=1):
 
 
 def _smem90(bn=BN90, staging=True, a_tiles=1):
-    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A
-    tiles of 128 rows and one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256
-    and 6 at 128), then
+    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of 128 rows and
+    one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256 and 6 at 128), then
     for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
     epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
     descriptors of 16 bytes."""
@@ -303,15 +285,10 @@ class _Kernels:
         """One of the small kernels (moe_helpers.cu) for this dtype."""
         return _compile.get_function(_FILE_HELPERS, name, module_names=_helper_names(self.ct))
 
-    def variant(self, which, carry_in=False, b_load=None, pair=False) -> KernelVariant:
+    def variant(self, which, carry_in=False, b_load=None) -> KernelVariant:
         """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
-        for this launch (sm_90a); ``pair``: a weight gradient's 2-CTA cluster kernel (sm_90a, B by TMA, no carry)."""
+        for this launch (sm_90a)."""
         v = self.variants[which]
-        if pair:
-            if not (self.sm90 and which in ("dw2", "dw13") and not carry_in):
-                raise ValueError(f"no 2-CTA kernel for {which} here")
-            return KernelVariant(_FILE_WGRAD90, _wgrad90_pair_name(self.ct, which == "dw13"), NTHREADS90, BM, BN90,
-                                 _stages90(BN90), _smem90_pair())
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
@@ -328,9 +305,9 @@ class _Kernels:
             return _wgrad_names90(self.ct)
         return self.names
 
-    def gemm(self, which, carry_in=False, b_load=None, pair=False):
+    def gemm(self, which, carry_in=False, b_load=None):
         """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
-        kv = self.variant(which, carry_in, b_load, pair)
+        kv = self.variant(which, carry_in, b_load)
         return _compile.get_function(kv.file, kv.name, module_names=self.module_names(kv),
                                      max_dynamic_smem=kv.smem), kv
 
@@ -409,16 +386,12 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         _moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets, kblocks=kblocks,
         out=out, carry=carry, carry_seen=carry_seen, lda=lda, ldb=ldb, ldo=ldo, o_estride=o_estride, num_experts=E,
         M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out)
-    extra, b_load, pair = (), None, False
+    extra, b_load = (), None
     if kern.sm90:  # B (by slot) by TMA where it can go so
         bmap = _rows_map(kern, B, ldb, N, 64)
         b_load = "tma" if bmap is not None else "cp_async"
         extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
-        pair = bmap is not None and carry is None and wgrad_pairs_asked()
-        if pair:  # 2-CTA clusters: n-tiles in pairs
-            tiles_n = -(-N // BN90)
-            grid = 2 * E * -(-M // BM) * ((tiles_n + 1) // 2)
-    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, pair=pair)
+    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 

@@ -1110,43 +1110,6 @@ def test_layer_vs_reference_on_each_gemm_path_gpu(gemm_path, case, activation, c
     _check_against(y, grads, inp, _expected(case, "bf16", activation, True, "gpu"), TOL[BF16], f"{gemm_path} ")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in [
-    *[c for c in CASES if c.name in ("tiles", "wide_d", "wide_h", "empty_experts")],
-    Case("pairs", 700, 256, 512, 4, 2, "skewed"),  # n-tiles in pairs (dw2 2, dw13 4), several k-tiles an expert
-]])
-def test_weight_gradients_in_cta_pairs_keep_their_bits_gpu(case, activation, monkeypatch):
-    """The sm_90a weight gradients in 2-CTA clusters sharing the gathered rows (BLAZECORE_SM90_WGRAD_PAIR=1) give
-    the bits of the one-CTA kernels (same tiles, same order), odd n-tile counts (a pair's second CTA past N) and
-    empty experts included, and match the float64 reference."""
-    from blazecore import _compile, _moe_gpu
-
-    if _compile.device_arch() != "sm_90a":
-        pytest.skip("the 2-CTA weight-gradient kernels are sm_90a only")
-    inp = _inputs(case, "bf16", activation, True)
-    dev = _on(inp, "gpu")
-    pairs_run = []
-    gemm = _moe_gpu._Kernels.gemm
-
-    def spy(self, which, carry_in=False, b_load=None, pair=False):
-        pairs_run.append((which, pair))
-        return gemm(self, which, carry_in, b_load, pair)
-
-    monkeypatch.setattr(_moe_gpu._Kernels, "gemm", spy)
-    grads = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("BLAZECORE_SM90_WGRAD_PAIR", on)
-        pairs_run.clear()
-        y, _, g = _run(dev, activation, "ab", gemm_path="wgmma")
-        assert {w for w, p in pairs_run if p} == ({"dw13", "dw2"} if on == "1" else set())
-        grads[on] = g
-    for key in ("dw13", "dw2"):
-        a, b = (to_numpy(getattr(grads[on], key)) for on in ("0", "1"))
-        assert a.tobytes() == b.tobytes(), f"{key}: bits differ in CTA pairs"
-    _check_against(y, grads["1"], inp, _expected(case, "bf16", activation, True, "gpu"), TOL[BF16], "pairs ")
-
-
 def test_wgmma_asked(monkeypatch):
     """What a gemm_path asks for: the argument when given, else the environment's default (BLAZECORE_SM90)."""
     from blazecore import _moe_gpu

@@ -69,23 +69,12 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
   }
 }
 
-// PAIR (moe_wgrad_sm90_pair): the CTA is one of a 2-CTA cluster whose two tiles share their expert and m-tile (n-tiles
-// 2 u and 2 u + 1), so both read the same gathered A rows. Each CTA gathers half of every A k-tile (k-rows
-// [32 rank, 32 rank + 32): producer warps 0 and 1, by cp.async) and forwards it into the peer's stage by a bulk
-// shared-to-shared copy (warp 3, once its own copies have landed), so each SM issues half the gathered copies. B
-// comes by TMA (warp 2). A stage is full when the local copies landed (64 arrivals) and the TMA B tile and the peer's
-// half have (one expect_tx arrival: B_BYTES + A_BYTES / 2); it is empty when the consumers of both CTAs released it
-// and the forwarder has read its half (8 + 8 + 1 arrivals). Both CTAs walk the same reduction tiles in lockstep.
-template <int STAGES> constexpr int wgrad_pair_smem_bytes() {
-  using C = sm90::Cfg<256, false, 1, STAGES>;
-  static_assert(C::SMEM_BYTES + 8 * (STAGES + 1) <= sm90::MAX_SMEM_BYTES, "the pair's barriers fit");
-  return C::SMEM_BYTES + 8 * (STAGES + 1);  // the layout, a "half landed" mbarrier a stage, a "forwarded" one
-}
-
 template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
-          int STAGES, bool PAIR>
-__device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const sm90::TmaMap& tmap_a,
-                                                const sm90::TmaMap& tmap_b) {
+          int STAGES>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
+    const KGroupedArgs<T> p,
+    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
   const T* __restrict__ A = p.A;
   const T* __restrict__ B = p.B;
   const int* __restrict__ slot_token = p.slot_token;
@@ -109,32 +98,23 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
-  // PAIR: STAGES more barriers after the layout's own (wgrad_pair_smem_bytes)
-  const unsigned half0 = sbase + C::INFO_OFFSET;
 
   const int tid = threadIdx.x;
 
   // ---- which tile (as moe_gemm MODE_K) -----------------------------------------------------------------
-  static_assert(!PAIR || (A_GATHER && !B_GATHER && !A_TMA && B_TMA && !CARRY_IN),
-                "pairs: gathered A by cp.async, B by TMA, no carried sums");
-  const int tiles_m = (M + BM - 1) / BM;
-  // PAIR: the cluster's tile pair u = bid / 2 walks n-tile pairs; rank r takes n-tile 2 np + r (beyond N for the
-  // second CTA of an odd tiles_n's last pair: it loads zeros, helps with A and stores nothing)
-  const unsigned rank = PAIR ? sm90::cluster_ctarank() : 0u;
-  const int tiles_n = PAIR ? ((N + BN - 1) / BN + 1) / 2 : (N + BN - 1) / BN;
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const long long per_e = (long long)tiles_m * tiles_n;
   const long long bid = blockIdx.x;
-  const long long tid_pair = PAIR ? bid / 2 : bid;
-  const int e = static_cast<int>(tid_pair / per_e);
+  const int e = static_cast<int>(bid / per_e);
   if (e >= num_experts) return;
   // grouped order inside the expert: GROUP_M m-tiles down one n-tile, then the next n-tile, so the ~one CTA per SM
   // that run at a time read about GROUP_M A slices and SMs / GROUP_M B slices (a single row of n-tiles of a wide N,
   // mixtral's dw13, would stream every B slice from DRAM once per m-tile)
   constexpr int GROUP_M = 16;
-  const int rt = static_cast<int>(tid_pair % per_e);
+  const int rt = static_cast<int>(bid % per_e);
   const int first = (rt / (GROUP_M * tiles_n)) * GROUP_M, gsz = min(GROUP_M, tiles_m - first);
   const int local = rt - first * tiles_n;
-  const int m0 = (first + local % gsz) * BM, n0 = (PAIR ? 2 * (local / gsz) + static_cast<int>(rank) : local / gsz) * BN;
+  const int m0 = (first + local % gsz) * BM, n0 = (local / gsz) * BN;
   const int slot_lo = __ldg(offsets + e);
   const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
   const int num_kt = ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);  // tiles of KTileWalk
@@ -142,20 +122,11 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      // one per copying producer thread (+ the TMA expect_tx)
-      sm90::mbar_init(full0 + 8 * s, (PAIR ? 64 : 128) + (ANY_TMA ? 1 : 0));
-      // one arrival per consumer warp (PAIR: of both CTAs, + the forwarder's)
-      sm90::mbar_init(empty0 + 8 * s, PAIR ? 8 * sm90::CONSUMER_WGS + 1 : 4 * sm90::CONSUMER_WGS);
-      if constexpr (PAIR) sm90::mbar_init(half0 + 8 * s, 64);  // this CTA's half of A landed
+      sm90::mbar_init(full0 + 8 * s, 128 + (ANY_TMA ? 1 : 0));  // one per producer thread (+ the TMA expect_tx)
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
-    if constexpr (PAIR) sm90::mbar_init(half0 + 8 * STAGES, 1);  // the forwarder read its last half
-    if constexpr (PAIR) sm90::fence_mbarrier_init_cluster();
   }
-  if constexpr (PAIR) {
-    sm90::cluster_sync();  // the peer's barriers are initialised before any arrival or copy reaches them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (tid < 128) {
     // ================================ producer warpgroup ================================
@@ -164,12 +135,7 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
     constexpr int CPB = BN / EPC, RPB = 32 / CPB;  // B: 32 (16) chunks per k-row, 1 (2) k-rows per instruction
     constexpr int ROWS_W = BK / 4;                 // k-rows per producer warp
     static_assert(ROWS_W == 16 && 32 % CPA == 0 && 32 % CPB == 0, "producer warp map");
-    // PAIR: warps 0 and 1 copy this CTA's half of A (k-rows [32 rank, 32 rank + 32)), warp 2 issues the TMA of B,
-    // warp 3 forwards the half to the peer
-    const int warp = tid >> 5, lane = tid & 31;
-    const int rw = PAIR ? 32 * static_cast<int>(rank) + (warp & 1) * ROWS_W : warp * ROWS_W;
-    const bool copier = !PAIR || warp < 2;
-    const int tma_tid = PAIR ? 64 : 0;
+    const int lane = tid & 31, rw = (tid >> 5) * ROWS_W;
     const int ca = lane % CPA, ra = lane / CPA, cb = lane % CPB, rb = lane / CPB;
     const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
     const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
@@ -183,12 +149,8 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
       const int s = t0 + rw + (lane & 15);
       return s < tend ? __ldg(slot_token + s) : -1;
     };
-    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0 && copier) ? gather_row(walk.t0, walk.end()) : -1;
-    // PAIR: the peer's stage ring and barriers (shared::cluster addresses)
-    const unsigned peer = rank ^ 1u;
-    const unsigned peer_full0 = PAIR ? sm90::mapa_shared(full0, peer) : 0u;
-    const unsigned peer_sbase = PAIR ? sm90::mapa_shared(sbase, peer) : 0u;
-    if (tid == tma_tid) {
+    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
+    if (tid == 0) {
       if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
       if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
     }
@@ -200,17 +162,16 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
       const int t0 = walk.t0, tend = walk.end();
       walk.next();
       if constexpr (A_GATHER || B_GATHER) {
-        if (kt + 1 < num_kt && copier) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
+        if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
       }
       if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
       const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
       if constexpr (ANY_TMA) {
-        // one thread raises the stage's transaction count by the TMA tiles' bytes (PAIR: and the peer's half of A)
-        // and issues their boxes (one per 64-column atom)
-        if (tid == tma_tid) {
+        // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
+        // 64-column atom)
+        if (tid == 0) {
           const unsigned bar = full0 + 8 * stage;
-          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES : 0) +
-                                               (PAIR ? C::A_BYTES / 2 : 0));
+          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES : 0));
           if constexpr (A_TMA) {
             sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
             sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
@@ -221,33 +182,9 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
           }
         }
       }
-      if constexpr (PAIR) {
-        static_assert(!BLZ_SM90_PRODUCER_FENCE, "pairs signal their stages by cp.async arrivals");
-        if (copier) {
-          wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, A, lda, tok, t0, tend);
-          sm90::cp_async_arrive_noinc(half0 + 8 * stage);  // for the forwarder
-          sm90::cp_async_arrive_noinc(full0 + 8 * stage);  // for the consumers
-        } else if (warp == 3 && lane == 0) {
-          // forward this CTA's half once it landed; the peer's consumers released their stage (this CTA's empty
-          // barrier counts them), so the bytes may go in; the source is read before this stage is refilled
-          sm90::mbar_wait(half0 + 8 * stage, phase);
-          sm90::fence_proxy_async_smem();  // the cp.async (generic proxy) writes -> the copy engine's reads
-          const unsigned off = stage * C::STAGE_BYTES + 32 * rank * ROW_BYTES;
-#pragma unroll
-          for (int a = 0; a < 2; ++a)
-            sm90::bulk_copy_to_cluster(peer_sbase + off + a * ATOM_BYTES, sbase + off + a * ATOM_BYTES,
-                                       32 * ROW_BYTES, peer_full0 + 8 * stage);
-          sm90::bulk_wait_read_all();
-          sm90::mbar_arrive(empty0 + 8 * stage);
-          if (kt == num_kt - 1) sm90::mbar_arrive(half0 + 8 * STAGES);  // every source read: the ring is free
-        }
-      } else {
-        if constexpr (!A_TMA)
-          wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, A, lda, tok, t0, tend);
-        if constexpr (!B_TMA)
-          wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, B, ldb, tok, t0, tend);
-        sm90::producer_signal<STAGES>(full0, kt, stage);
-      }
+      if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, A, lda, tok, t0, tend);
+      if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, B, ldb, tok, t0, tend);
+      sm90::producer_signal<STAGES>(full0, kt, stage);
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1u;
@@ -316,13 +253,8 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                carry_in || (kt | ks) != 0);
-    }, carry_in, zero_tail, PAIR ? sm90::mapa_shared(empty0, rank ^ 1u) : 0u);
-    // (an expert without slots leaves zero accumulators, or the carried sums)
-    // PAIR: the epilogue stages in the ring, which the forwarder may still be reading from
-    if constexpr (PAIR) {
-      if (num_kt > 0) sm90::mbar_wait(half0 + 8 * STAGES, 0u);
-    }
-    if (!PAIR && p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
+    }, carry_in, zero_tail);  // an expert without slots leaves zero accumulators (or the carried sums)
+    if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
       return;
@@ -387,37 +319,10 @@ __device__ __forceinline__ void wgrad_sm90_body(const KGroupedArgs<T>& p, const 
       }
     }
   }
-  if constexpr (PAIR) {
-    __syncwarp();
-    sm90::cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
-  }
 #else
   // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
   __trap();
 #endif
-}
-
-template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
-          int STAGES>
-__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
-    const KGroupedArgs<T> p,
-    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
-  wgrad_sm90_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, false>(p, tmap_a, tmap_b);
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define BLZ_CLUSTER_PAIR __cluster_dims__(2, 1, 1)
-#else
-#define BLZ_CLUSTER_PAIR
-#endif
-// The weight gradient with A gathered by cp.async and B by TMA, in 2-CTA clusters sharing the gathered A (PAIR
-// above). Launch: grid = 2 * E * ceil(M / 128) * ceil(ceil(N / 256) / 2) (even), block = sm90::THREADS, dynamic
-// shared memory = wgrad_pair_smem_bytes<STAGES>(); no carried sums.
-template <typename T, bool OUT_T, int STAGES>
-__global__ void BLZ_CLUSTER_PAIR __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90_pair(
-    const KGroupedArgs<T> p, const __grid_constant__ sm90::TmaMap tmap_a, const __grid_constant__ sm90::TmaMap tmap_b) {
-  wgrad_sm90_body<T, true, false, 256, OUT_T, false, false, true, STAGES, true>(p, tmap_a, tmap_b);
 }
 
 }  // namespace blz

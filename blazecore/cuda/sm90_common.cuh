@@ -196,16 +196,10 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 struct NoPrep {
   __device__ __forceinline__ void operator()(unsigned long long, int) const {}
 };
-// peer_empty0 (nonzero in a 2-CTA cluster whose peer writes into this CTA's stages): the shared::cluster address of
-// the peer's empty barriers, on which each release arrives too.
 template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
                                                   int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
-                                                  bool keep_acc = false, P&& prep = P(), unsigned peer_empty0 = 0) {
-  auto release = [&](int s) {
-    mbar_arrive(empty0 + 8 * s);
-    if (peer_empty0) mbar_arrive_cluster(peer_empty0 + 8 * s);
-  };
+                                                  bool keep_acc = false, P&& prep = P()) {
   int prev = 0;
   for (int kt = 0; kt < num_kt; ++kt) {
     mbar_wait(full0 + 8 * stage, phase);
@@ -224,7 +218,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
       // 128 * CONSUMER_WGS arrivals for these kernels
       mbar_arrive(empty0 + 8 * stage);
     } else {
-      if (kt > 0 && (t & 31) == 0) release(prev);
+      if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
     }
     prev = stage;
     if (++stage == STAGES) {
@@ -234,7 +228,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) release(prev);
+  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
   if (num_kt == 0 && !keep_acc) {
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.f;

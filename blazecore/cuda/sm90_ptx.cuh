@@ -38,41 +38,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   }
 }
 
-// ---- 2-CTA clusters (distributed shared memory) ----
-__device__ __forceinline__ unsigned cluster_ctarank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-// The shared::cluster address of shared::cta address `addr` in the cluster's CTA `rank`.
-__device__ __forceinline__ unsigned mapa_shared(unsigned addr, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-// Arrive (release, cluster scope) on an mbarrier of any CTA of the cluster (a shared::cluster address).
-__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// `bytes` (a multiple of 16) from this CTA's shared memory at src to dst in a CTA of the cluster, by the copy engine;
-// completes `bytes` on the mbarrier `bar` of the destination CTA (shared::cluster addresses).
-__device__ __forceinline__ void bulk_copy_to_cluster(unsigned dst, unsigned src, unsigned bytes, unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "r"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// Wait until the sources of every bulk copy this thread issued have been read.
-__device__ __forceinline__ void bulk_wait_read_all() {
-  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-// The mbarrier initialisations of this thread made visible to the other CTAs of the cluster.
-__device__ __forceinline__ void fence_mbarrier_init_cluster() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Every thread of every CTA of the cluster (all warps convergent).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
