@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
             for (int i = 0; i < ROWS; ++i, src += step) {
               const bool ok = kok && ((b_ok >> i) & 1u);
-              sm90::cp_async16_zfill(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok);
+              sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok);
             }
           }
         } else {
@@ -282,8 +282,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           for (int i = 0; i < BK / RPP; ++i, src += step) {
             const int r = rb + RPP * i;
             const bool ok = b_ok && k0 + r < Kd;
-            sm90::cp_async16_zfill(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
-                                   ok ? src : B, ok);
+            sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
+                               ok ? src : B, ok);
           }
         }
         sm90::producer_signal<STAGES>(full0, it, stage);

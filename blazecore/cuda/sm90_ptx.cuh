@@ -7,19 +7,13 @@
 namespace blz {
 namespace sm90 {
 
-// 16-byte global->shared copy that bypasses L1: src when ok; else the destination is zero-filled (the src-size 0
-// form, which reads nothing; src must still be a valid address). The copies that read use the plain form: giving
-// every copy the src-size operand made the gathering kernels 3-6% slower (docs/sm90_kernels.md).
+// 16 zero bytes in global memory: the source of a copy whose destination is zero-filled.
+__device__ __align__(16) const unsigned zero16[4] = {0u, 0u, 0u, 0u};
+// 16-byte global->shared copy that bypasses L1: src when ok, else 16 zero bytes. The plain form: the src-size form
+// (cp.async ..., 16, 0 for a zero fill) made the gathering kernels 3-6% slower (docs/sm90_kernels.md).
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool ok) {
-  if (ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, 0;\n" ::"r"(dst), "l"(src) : "memory");
-  }
-}
-// The same with one instruction, the src-size form for every copy (16 or 0 bytes read): the fallback B loads.
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(ok ? src : static_cast<const void*>(zero16))
+               : "memory");
 }
 // Arrive on the mbarrier once every cp.async this thread issued so far has landed (count not raised).
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
