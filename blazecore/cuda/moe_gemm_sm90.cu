@@ -239,9 +239,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           for (int i = 0; i < BM / 16; ++i) {
             const bool ok = kok && a_row[i] >= 0;
             const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
-            sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok);
+            sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
             if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw,
-                                                 ok ? src + Kd : A, ok);
+                                                 ok ? src + Kd : A, ok ? 16 : 0);
           }
         }
         if constexpr (B_TMA) {
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
             for (int i = 0; i < ROWS; ++i, src += step) {
               const bool ok = kok && ((b_ok >> i) & 1u);
-              sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok);
+              sm90::cp_async16_s(bs + (r0 + 16 * (half * ROWS + i)) * ROW_BYTES + a_sw, ok ? src : B, ok ? 16 : 0);
             }
           }
         } else {
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             const int r = rb + RPP * i;
             const bool ok = b_ok && k0 + r < Kd;
             sm90::cp_async16_s(bs + b_atom + r * ROW_BYTES + ((b_j ^ static_cast<unsigned>(r & 7)) << 4),
-                               ok ? src : B, ok);
+                               ok ? src : B, ok ? 16 : 0);
           }
         }
         sm90::producer_signal<STAGES>(full0, it, stage);
@@ -467,8 +467,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           const int rl = RPI * i + ro, s = wrow0 + rl;
           const bool ok = s < m_end && nc < N;
           const T* zr = aux + (long long)s * ldaux + nc;
-          sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok);
-          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok);
+          sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
+          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
         }
         sm90::cp_async_wait_all();
         __syncwarp();

@@ -65,7 +65,7 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
     }
     const bool ok = col_ok && row >= 0;
     sm90::cp_async16_s(tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                       ok ? col + (long long)row * ld : any, ok);
+                       ok ? col + (long long)row * ld : any, ok ? 16 : 0);
   }
 }
 

@@ -7,13 +7,8 @@
 namespace blz {
 namespace sm90 {
 
-// 16 zero bytes in global memory: the source of a copy whose destination is zero-filled.
-__device__ __align__(16) const unsigned zero16[4] = {0u, 0u, 0u, 0u};
-// 16-byte global->shared copy that bypasses L1: src when ok, else 16 zero bytes. The plain form: the src-size form
-// (cp.async ..., 16, 0 for a zero fill) made the gathering kernels 3-6% slower (docs/sm90_kernels.md).
-__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(ok ? src : static_cast<const void*>(zero16))
-               : "memory");
+__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 // Arrive on the mbarrier once every cp.async this thread issued so far has landed (count not raised).
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
