@@ -193,8 +193,9 @@ def _stages90(bn=BN90, a_tiles=1):
 
 
 def _smem90(bn=BN90, staging=True, a_tiles=1):
-    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of 128 rows and
-    one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256 and 6 at 128), then
+    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A
+    tiles of 128 rows and one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256
+    and 6 at 128), then
     for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
     epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
     descriptors of 16 bytes."""
