@@ -158,13 +158,17 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
     """The CuPy Function for ``name_expression`` (e.g. ``"dispatch_count<256>"``) in ``cuda/<filename>``.
 
     ``module_names``: every name expression to compile into the same module (defaults to just this
-    one); the module is cached per (file, names, options, device arch). In a dry run
+    one); the module is cached per (file, names, options, device arch). The environment's BLAZECORE_NVRTC_OPTIONS
+    (space-separated) are added to ``options``. In a dry run
     (:func:`blazecore._array.dry_run`): a function that launches nothing.
     """
     if _array.dry() is not None:
         return _array.no_launch
     import cupy
 
+    # BLAZECORE_NVRTC_OPTIONS: extra NVRTC options for every kernel (e.g. -DBLZ_SM90_PRODUCER_FENCE=1 to build a
+    # variant the sources describe); part of the cache keys
+    options = tuple(options) + tuple(os.environ.get("BLAZECORE_NVRTC_OPTIONS", "").split())
     dev = cupy.cuda.Device().id
     names = tuple(sorted(set(module_names or ()) | {name_expression}))
     key = (filename, name_expression, names, tuple(options), dev, max_dynamic_smem)

@@ -49,10 +49,11 @@ namespace blz {
 // instruction (lane sub = lane / chunks-per-row picks its k-row of the RP); dst: the lane's chunk position in the
 // tile (XORed with k-row % 8), col: its column in row 0 of the source. The source row of k-row r is the gather
 // index (GATHER: held by lane r % 16, see gather_row) or slot t0 + r; rows past the reduction tile [t0, tend) and
-// columns out of range (col_ok false) are zero-filled.
+// columns out of range (col_ok false) are zero-filled by st.shared (cp_async16_or_zero; the caller's producer_signal
+// orders those stores).
 template <int RP, int ROWS_W, bool GATHER, typename T>
 __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int sub, int rw, bool col_ok,
-                                                const T* col, const T* any, long long ld, int tok, int t0, int tend) {
+                                                const T* col, long long ld, int tok, int t0, int tend) {
 #pragma unroll
   for (int i = 0; i < ROWS_W / RP; ++i) {
     const int rl = RP * i + sub;  // k-row within the warp's ROWS_W
@@ -64,8 +65,8 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
       row = (t0 + r < tend) ? t0 + r : -1;
     }
     const bool ok = col_ok && row >= 0;
-    sm90::cp_async16_s(tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                       ok ? col + (long long)row * ld : any, ok ? 16 : 0);
+    sm90::cp_async16_or_zero(tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4)),
+                             col + (long long)row * ld, ok);
   }
 }
 
@@ -122,7 +123,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 128 + (ANY_TMA ? 1 : 0));  // one per producer thread (+ the TMA expect_tx)
+      // one or two per producer thread (producer_signal<.., true>) + the TMA expect_tx
+      sm90::mbar_init(full0 + 8 * s, 128 * sm90::producer_arrivals(true) + (ANY_TMA ? 1 : 0));
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
     }
   }
@@ -182,9 +184,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
           }
         }
       }
-      if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, A, lda, tok, t0, tend);
-      if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, B, ldb, tok, t0, tend);
-      sm90::producer_signal<STAGES>(full0, kt, stage);
+      if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, lda, tok, t0, tend);
+      if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, ldb, tok, t0, tend);
+      sm90::producer_signal<STAGES, true>(full0, kt, stage);
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1u;
