@@ -235,13 +235,24 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const int kc = k0 + cc * EPC;
         const bool kok = kc < Kd;
         if constexpr (!A_TMA) {
+          // a k-tile of a whole m-tile (every row a slot of the expert, every column inside Kd: the same for every
+          // thread of the CTA) reads with the plain form; the others zero-fill with the src-size form
+          if (BLZ_SM90_PLAIN_A && m0 + BM <= m_end && k0 + BK <= Kd) {
 #pragma unroll
-          for (int i = 0; i < BM / 16; ++i) {
-            const bool ok = kok && a_row[i] >= 0;
-            const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
-            sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
-            if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw,
-                                                 ok ? src + Kd : A, ok ? 16 : 0);
+            for (int i = 0; i < BM / 16; ++i) {
+              const T* src = A + (long long)a_row[i] * lda + kc;
+              sm90::cp_async16_plain(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src);
+              if constexpr (A2) sm90::cp_async16_plain(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw, src + Kd);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < BM / 16; ++i) {
+              const bool ok = kok && a_row[i] >= 0;
+              const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
+              sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
+              if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw,
+                                                   ok ? src + Kd : A, ok ? 16 : 0);
+            }
           }
         }
         if constexpr (B_TMA) {

@@ -11,13 +11,20 @@ namespace sm90 {
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+#ifndef BLZ_SM90_PLAIN_A
+#define BLZ_SM90_PLAIN_A 1
+#endif
+// 16-byte global->shared copy of src, bypassing L1 (the plain form: no src-size operand).
+__device__ __forceinline__ void cp_async16_plain(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 // The weight-gradient producer's copy: the plain 16-byte cp.async of src when ok, else 16 zero bytes stored by this
 // thread (st.shared), which its producer_signal<.., true> orders before the consumers' reads with a release arrival.
 // The weight gradients ran 3-9% faster so than with the src-size form for every copy; the M-grouped kernels slower
 // (docs/sm90_kernels.md), so they keep cp_async16_s.
 __device__ __forceinline__ void cp_async16_or_zero(unsigned dst, const void* src, bool ok) {
   if (ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    cp_async16_plain(dst, src);
   } else {
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
   }
