@@ -93,7 +93,8 @@ class GemmTimer:
         cupy.cuda.runtime.deviceSynchronize()
         sums: dict = {}
         for call, which, e0, e1 in self.events:
-            key = "dhcur" if which in ("dhcur", "dh") else which
+            # the staged-row roles (gemm1s, dw13s, dw2s) count as the GEMM they compute, staging included
+            key = "dhcur" if which in ("dhcur", "dh") else self._mod._STAGED.get(which, which)
             sums.setdefault(key, {}).setdefault(call, 0.0)
             sums[key][call] += cupy.cuda.get_elapsed_time(e0, e1)
         return {k: statistics.median(v.values()) for k, v in sums.items()}

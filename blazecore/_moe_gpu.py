@@ -71,6 +71,15 @@ _NULL = np.uint64(0)
 # come by cp.async. BLAZECORE_SM90_B_LOAD overrides the default for the layer; _Kernels takes it as an argument.
 B_LOADS = ("tma", "cp_async")
 B_LOAD = "tma"
+# Staging of gathered rows (sm_90a, weights by TMA): a GEMM whose gathered A rows (gemm1's x, the weight gradients'
+# x and dy) are read by many n-tiles has them copied into slot order once (moe_gather_rows, an (L*K, d) transient)
+# and then reads them by TMA like the slot-ordered A of gemm2 and dx; the copies of the in-kernel gather cost more
+# than the staging once STAGE_MIN_TILES or more n-tiles read the rows (docs/sm90_kernels.md, "Staged rows").
+# BLAZECORE_STAGE_ROWS = "auto" (that rule), "always" or "never" overrides STAGE_ROWS; the results have the same bits
+# either way.
+STAGE_ROWS_MODES = ("auto", "always", "never")
+STAGE_ROWS = "auto"
+STAGE_MIN_TILES = 32
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,10 @@ def _variants(act, t=False) -> dict[str, GemmSpec]:
         "dx": GemmSpec(MODE_M, True, t, EPI_ROWSCALE, 0, False, False),  # dx_s = dz w13
         "dw2": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, not t, t),  # dw2 = dy_g^T (g hcur)
         "dw13": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, t, not t),  # dw13 = dz^T x_g
+        # sm_90a, with the gathered rows staged in slot order beforehand (_stage_rows): A read by TMA, not gathered
+        "gemm1s": GemmSpec(MODE_M, True, not t, EPI_ACT, act, False, False),  # z = x_s w13^T
+        "dw2s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw2 = dy_s^T (g hcur)
+        "dw13s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw13 = dz^T x_s
     }
 
 
@@ -129,8 +142,9 @@ def _module_names(ct, act, t=False):
 
 
 def _helper_names(ct):
+    staged = [f"blz::moe_gather_rows<{ct}, {v}>" for v in (8, 1)] if ct != "float" else []  # 16-bit: sm_90a only
     return ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
-            "blz::moe_block_starts", "blz::moe_mark_seen"]
+            "blz::moe_block_starts", "blz::moe_mark_seen", *staged]
 
 
 def _a_tiles90(act, a_act):
@@ -160,11 +174,13 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
     tma = b_load == "tma"
     if which == "gemm2z":
         return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_act=True)
-    if which in ("dw2", "dw13"):
-        # the gathered rows (dy, x) are A, on the tile's 128-column side, by cp.async; the slot-indexed operand
-        # (g * hcur, dz) is B, on the 256-column side, by TMA (b_load "tma"); dw13 = dz^T x_g is computed as
-        # transposed tiles (x_g^T dz, stored as out[e][n][m])
-        return _wgrad90_name(ct, True, False, out_t=which == "dw13", carry_in=carry_in, b_tma=tma)
+    if which in _WGRAD:
+        # the gathered rows (dy, x) are A, on the tile's 128-column side, by cp.async (staged in slot order: by TMA);
+        # the slot-indexed operand (g * hcur, dz) is B, on the 256-column side, by TMA (b_load "tma"); dw13 = dz^T x_g
+        # is computed as transposed tiles (x_g^T dz, stored as out[e][n][m])
+        staged = which in _STAGED
+        return _wgrad90_name(ct, not staged, False, out_t=which.startswith("dw13"), carry_in=carry_in, a_tma=staged,
+                             b_tma=tma)
     # a slot-ordered A beside a TMA B (the second GEMM's hcur, dx's dz) comes by TMA too
     return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_tma=tma and which in _A_TMA)
 
@@ -182,7 +198,7 @@ def _wgrad_names90(ct):
     """The sm_90a weight-gradient kernels of one dtype (activation-independent): one module of _FILE_WGRAD90."""
     variants = _variants(0)
     return tuple(dict.fromkeys(_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load)
-                               for k in ("dw2", "dw13") for carry_in in (False, True) for b_load in B_LOADS))
+                               for k in _WGRAD for carry_in in (False, True) for b_load in B_LOADS))
 
 
 def _stages90(bn=BN90, a_tiles=1):
@@ -208,9 +224,11 @@ def _smem90(bn=BN90, staging=True, a_tiles=1):
 # The sm_90a M-grouped kernels: shared memory with the epilogue staging area, launched persistent (one CTA per SM).
 # EPI_ACT and EPI_ROWSCALE stage their epilogue outside the stage ring, so the producer fills the next tile's
 # stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
-_M_GROUPED = {"gemm1", "gemm2", "gemm2z", "dhcur", "dx"}
-_A_TMA = {"gemm2", "dx"}  # M-grouped GEMMs whose A is in slot order (not gathered, not activated in the load)
-_SM90_ONLY = {"gemm2z"}  # variants only the sm_90a kernels have
+_M_GROUPED = {"gemm1", "gemm2", "gemm2z", "dhcur", "dx", "gemm1s"}
+_A_TMA = {"gemm2", "dx", "gemm1s"}  # M-grouped GEMMs whose A is in slot order (not gathered, not activated in the load)
+_WGRAD = ("dw2", "dw13", "dw2s", "dw13s")  # the sm_90a weight-gradient kernels' roles
+_STAGED = {"gemm1s": "gemm1", "dw2s": "dw2", "dw13s": "dw13"}  # roles on staged rows, and the role they stand for
+_SM90_ONLY = {"gemm2z", *_STAGED}  # variants only the sm_90a kernels have
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -321,6 +339,39 @@ def _ptr(a):
     return _NULL if a is None else a
 
 
+def _stage_rows(kern, n_tiles: int) -> bool:
+    """Whether the gathered rows that ``n_tiles`` output n-tiles read (over every launch that shares them) are staged
+    in slot order first (see STAGE_ROWS). A function of the shapes and the settings only, so a dry run (the memory
+    model) allocates what the real call does."""
+    mode = os.environ.get("BLAZECORE_STAGE_ROWS") or STAGE_ROWS
+    if mode not in STAGE_ROWS_MODES:
+        raise ValueError(f"BLAZECORE_STAGE_ROWS must be one of {STAGE_ROWS_MODES}, got {mode!r}")
+    if not (kern.sm90 and kern.b_load == "tma") or mode == "never":
+        return False
+    return mode == "always" or n_tiles >= STAGE_MIN_TILES
+
+
+class _Staged:
+    """A gathered operand's rows in slot order, (L*K, width): filled by the first launch that reads them (so a
+    benchmark timing the launchers counts the staging with that GEMM), then read by every launch given it."""
+
+    def __init__(self, LK: int, width: int, dtype):
+        self.rows = _array.empty_gpu((LK, width), dtype).view
+        self.filled = False
+
+    def fill(self, kern, src, ld_src, disp, stream):
+        if self.filled:
+            return self.rows
+        LK, width = self.rows.shape
+        if LK and _array.dry() is None:
+            vec = 8 if src.data.ptr % 16 == 0 and ld_src % 8 == 0 and width % 8 == 0 else 1
+            kern.fn(f"blz::moe_gather_rows<{kern.ct}, {vec}>")(
+                (-(-LK // 8),), (256,), (src, np.int64(ld_src), disp.slot_token, np.int64(LK), np.int32(width),
+                                         self.rows), stream=stream)
+        self.filled = True
+        return self.rows
+
+
 def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
     by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2), the halves ``up`` rows apart
@@ -331,7 +382,7 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
     es = kern.itemsize
     if kern.variants[which].b_kmajor:
-        halves = 2 if which == "gemm1" and kern.gated else 1
+        halves = 2 if _STAGED.get(which, which) == "gemm1" and kern.gated else 1
         return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, (up or N) * ldb * es, b_estride * es),
                               (64, BN90 // 2, 1, 1))
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
@@ -354,9 +405,13 @@ GEMM_LAUNCHERS = ("_launch_m", "_launch_k")  # the launchers of every expert GEM
 
 def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, tile_offsets, E, N, Kd, out, ldo,
               up=0, out2=None, ldo2=0, aux=None, ldaux=0, bias=None, bias_estride=0, gates=None, topk=1, part=None,
-              part_ld=0, store_h=False, store_z=False):
-    """One M-grouped GEMM (gemm1, gemm2, gemm2z, dhcur, dx): its MGroupedArgs (moe_args.cuh; ``up`` and
-    ``store_h`` / ``store_z`` as documented there) and, on sm_90a, its tensor maps."""
+              part_ld=0, store_h=False, store_z=False, stage=None):
+    """One M-grouped GEMM (gemm1, gemm2, gemm2z, dhcur, dx; gemm1s with ``stage``, a :class:`_Staged` that A's
+    gathered rows are staged into first): its MGroupedArgs (moe_args.cuh; ``up`` and ``store_h`` / ``store_z`` as
+    documented there) and, on sm_90a, its tensor maps."""
+    if stage is not None:
+        A = stage.fill(kern, A, lda, disp, stream)
+        lda = A.shape[1]
     args = _moe_args.pack(
         _moe_args.M_GROUPED, A=A, B=B, slot_token=disp.slot_token, slot_k=disp.slot_k, offsets=disp.expert_offsets,
         tile_offsets=tile_offsets, out=out, out2=out2, aux=aux, bias=bias, gates=gates, part=part, lda=lda, ldb=ldb,
@@ -369,7 +424,7 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         if which in _A_TMA and amap is None:
             b_load = "cp_async"  # the A_TMA kernels take B by TMA too: both by cp.async
         # gemm1: B's up half ``up`` rows after the gate rows (0: N)
-        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if which == "gemm1" else 0) \
+        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if _STAGED.get(which, which) == "gemm1" else 0) \
             if b_load is None else _tma.null_map()
         extra = (bmap, _tma.null_map() if amap is None else amap)  # the kernel's tmap_b, tmap_a
     fn, kv = kern.gemm(which, b_load=b_load)
@@ -377,10 +432,14 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
 
 
 def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,
-              num_kblocks, carry=None, carry_seen=None, flags=0):
-    """One K-grouped GEMM (dw13, dw2): its KGroupedArgs (moe_args.cuh) and, on sm_90a, its tensor maps. With a
-    ``carry``, ``flags`` is the chunk's position in the backward: 1 continues an earlier chunk's sums, 2 keeps them
-    for a later one."""
+              num_kblocks, carry=None, carry_seen=None, flags=0, stage=None):
+    """One K-grouped GEMM (dw13, dw2; dw13s, dw2s with ``stage``, a :class:`_Staged` that A's gathered rows are
+    staged into first, or were by an earlier launch): its KGroupedArgs (moe_args.cuh) and, on sm_90a, its tensor
+    maps. With a ``carry``, ``flags`` is the chunk's position in the backward: 1 continues an earlier chunk's sums, 2
+    keeps them for a later one."""
+    if stage is not None:
+        A = stage.fill(kern, A, lda, disp, stream)
+        lda = A.shape[1]
     carry_in = carry is not None and bool(flags & 1)
     carry_out = carry is not None and bool(flags & 2)
     args = _moe_args.pack(
@@ -388,10 +447,13 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         out=out, carry=carry, carry_seen=carry_seen, lda=lda, ldb=ldb, ldo=ldo, o_estride=o_estride, num_experts=E,
         M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out)
     extra, b_load = (), None
-    if kern.sm90:  # B (by slot) by TMA where it can go so
+    if kern.sm90:  # B (by slot) by TMA where it can go so; staged A rows by TMA
         bmap = _rows_map(kern, B, ldb, N, 64)
         b_load = "tma" if bmap is not None else "cp_async"
-        extra = (_tma.null_map(), _tma.null_map() if bmap is None else bmap)  # the kernel's tmap_a, tmap_b
+        amap = _rows_map(kern, A, lda, M, 64) if which in _STAGED else None
+        if which in _STAGED and amap is None and _array.dry() is None:
+            raise RuntimeError(f"{which}: the staged rows cannot be read by TMA")  # a fresh buffer always can
+        extra = (_tma.null_map() if amap is None else amap, _tma.null_map() if bmap is None else bmap)
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
@@ -438,8 +500,10 @@ def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream, 
     r0 = 2 * c0 if kern.interleaved else c0  # the slice's first row of w13 (first column "in_out") and of b13
     up = h if kern.gated and not kern.interleaved and w != h else 0  # its up half's rows: h after the gate rows
     ldh = h if hbuf is None else hbuf.shape[1]
+    tiles_n = kern.tiles_n("gemm1", w, gated=kern.gated)
+    stage = _Staged(LK, d, logical_dtype(x)) if _stage_rows(kern, tiles_n) else None  # x's rows in slot order
     # w13 (E, H2, d): K-major rows of d; "in_out" (E, d, H2): N-major, k-rows of H2
-    _launch_m(kern, "gemm1", _m_grid(LK, E, kern.tiles_n("gemm1", w, gated=kern.gated)), stream, A=x, lda=d,
+    _launch_m(kern, "gemm1" if stage is None else "gemm1s", _m_grid(LK, E, tiles_n), stream, A=x, lda=d, stage=stage,
               B=w13[:, :, r0:] if kern.t else w13[:, r0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
               disp=disp, tile_offsets=tile_offsets, E=E, N=w, Kd=d,
               out=hbuf if hbuf is not None else zbuf, ldo=ldh, up=up, out2=zbuf,
@@ -668,6 +732,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     blk, nb = _block_starts(kern, disp, E, L, block_tokens, stream)
     gated = H2 != h
     slices = h_slices(h, d, lean=lean) if carry is None else [(0, h)]
+    dys = None if recomputed else _dy_stage(kern, slices, LK, d, dt)  # ("none" keeps its transients narrow)
     hgbuf = _array.empty_gpu((LK * max(c1 - c0 for c0, c1 in slices),), dt).view
     for c0, c1 in slices:
         w = c1 - c0
@@ -679,8 +744,9 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
                   tile_offsets=tile_offsets, E=E, N=w, Kd=d, out=dz[:, zc0:], ldo=H2,
                   up=h if gated and not kern.interleaved else 0, out2=hg, ldo2=w, aux=z[:, zc0:],
                   ldaux=H2, gates=gates, topk=K, part=part[:, c0 // bn_h:], part_ld=tiles_nh)
-        _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=carry and carry.dw2_at(0), **ck)
-    del z, hg, hgbuf
+        _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=carry and carry.dw2_at(0),
+                   stage=dys, **ck)
+    del z, hg, hgbuf, dys
     _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
     del part
     # dw13_e = dz^T x_g; stored "in_out" (E, d, H2): dw13_e^T = x_g^T dz
@@ -704,17 +770,25 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     del dz, dxs
 
 
-def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None, **ck):
-    """dw2's columns [c0, c0 + w) of h (stored "in_out": rows) from the slice's g * hcur rows hg (L*K, w)."""
+def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None, stage=None, **ck):
+    """dw2's columns [c0, c0 + w) of h (stored "in_out": rows) from the slice's g * hcur rows hg (L*K, w); ``stage``:
+    dy's rows staged in slot order (a :class:`_Staged` shared by the slices, see :func:`_dy_stage`)."""
     w = hg.shape[1]
     if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
         _launch_k(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
                   disp=disp, E=E, M=w, N=d, out=dw2[:, c0:], ldo=d,
                   o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
     else:
-        _launch_k(kern, "dw2", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy, lda=d, B=hg, ldb=w,
-                  disp=disp, E=E, M=d, N=w, out=dw2[:, :, c0:], ldo=h,
-                  o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
+        _launch_k(kern, "dw2" if stage is None else "dw2s", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy,
+                  lda=d, B=hg, ldb=w, disp=disp, E=E, M=d, N=w, out=dw2[:, :, c0:], ldo=h,
+                  o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, stage=stage, **ck)
+
+
+def _dy_stage(kern, slices, LK, d, dt):
+    """dy's rows staged in slot order for dw2's launches over ``slices`` of h (a :class:`_Staged`), or None."""
+    if kern.t or not _stage_rows(kern, sum(kern.tiles_n("dw2", c1 - c0) for c0, c1 in slices)):
+        return None
+    return _Staged(LK, d, dt)
 
 
 def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, i, flags):
@@ -727,9 +801,12 @@ def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, st
     ck = {} if carry is None else {"flags": flags, "carry_seen": carry.seen, "carry": carry.dw13_at(i)}
     if kern.t or kern.sm90:  # "in_out": W^T = x_g^T dz, stored as is; sm_90a: the same tiles stored transposed
         out, ldo = (dw13[:, :, row0:], H2) if kern.t else (dw13[:, row0:], d)
-        _launch_k(kern, "dw13", E * -(-d // BM) * kern.tiles_n("dw13", pw), stream, A=x, lda=d, B=dzp, ldb=ldz,
-                  disp=disp, E=E, M=d, N=pw, out=out, ldo=ldo,
-                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, **ck)
+        tiles_n = kern.tiles_n("dw13", pw)
+        stage = _Staged(dz.shape[0], d, logical_dtype(x)) if not kern.t and _stage_rows(kern, tiles_n) else None
+        _launch_k(kern, "dw13" if stage is None else "dw13s", E * -(-d // BM) * tiles_n, stream, A=x, lda=d, B=dzp,
+                  ldb=ldz, disp=disp, E=E, M=d, N=pw, out=out, ldo=ldo,
+                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, stage=stage, **ck)
+        del stage
     else:
         _launch_k(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,
                   disp=disp, E=E, M=pw, N=d, out=dw13[:, row0:], ldo=d,

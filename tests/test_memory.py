@@ -148,7 +148,8 @@ MIXTRAL = dict(d=4096, h=14336, E=8, K=2)
 def test_model_terms_wide_h(checkpoint):
     """Closed form of the unchunked backward where h > d (mixtral's widths). "none" never holds z or dz whole: it
     recomputes and consumes them per column slice of h (2048 wide: half of d), with dx summed over the slices in
-    an fp32 (L, d) buffer. "ab" keeps z and slices its transients as narrowly (dh' / dw2: 2048, dx: 1024)."""
+    an fp32 (L, d) buffer. "ab" keeps z and slices its transients as narrowly (dh' / dw2: 2048, dx: 1024), and stages
+    the gathered rows of dy and x in slot order for dw2 and dw13 (112 and 56 n-tiles read them)."""
     L, (d, h, E, K) = 4096, MIXTRAL.values()
     b, LK, w, wd, tiles_nh = 2, L * K, 2048, 1024, h // 256
     trace = memory.moe_memory_trace(L, d, h, E, K, checkpoint=checkpoint)
@@ -158,20 +159,21 @@ def test_model_terms_wide_h(checkpoint):
     z = LK * 2 * h * b if checkpoint == "ab" else 0
     if checkpoint == "none":  # part, the slice's z and g * hcur rows, dx's fp32 sum, the per-slot dx rows
         transient = 4 * LK * tiles_nh + LK * 2 * w * b + LK * w * b + 4 * L * d + LK * wd * b
-    else:
-        transient = max(LK * w * b + 4 * LK * tiles_nh, LK * wd * b)
+    else:  # + the rows of dy (dw2) and x (dw13) staged in slot order, (L*K, d) each (_moe_gpu._stage_rows)
+        transient = max(LK * d * b + LK * w * b + 4 * LK * tiles_nh, LK * d * b, LK * wd * b)
     assert est.held_bytes == disp + z
     assert est.peak_bytes == y + disp + z + grads + 512 + transient
     # forward: "none" runs per column slice of h (hcur's slice, the per-slot rows of a 1024-wide slice of y, y's
     # fp32 sum); "ab" keeps z beside hcur, or (act_in_operand) its second GEMM reads z and there is no hcur
-    fwd_transient = LK * w * b + LK * wd * b + 4 * L * d if checkpoint == "none" else LK * h * b + LK * wd * b
+    # (the first GEMM of "ab" reads x's rows staged in slot order, (L*K, d), freed before the per-slot rows of y)
+    fwd_transient = LK * w * b + LK * wd * b + 4 * L * d if checkpoint == "none" else LK * h * b + LK * d * b
     assert est.forward_peak_bytes - (y + disp + z + 512 + fwd_transient) in range(0, 4 * (64 * E + E) + 513)
     if checkpoint == "ab":
         lean = memory.moe_memory(L, d, h, E, K, checkpoint=checkpoint, act_in_operand=True)
         assert est.forward_peak_bytes - lean.forward_peak_bytes == LK * h * b
     grad_shapes = {(L, d), (E, 2 * h, d), (E, d, h), (L, K)}
     backward = [ev for ev in trace.events[trace.forward_events:] if ev[0] == "alloc" and ev[2] not in grad_shapes]
-    assert max(ev[1] for ev in backward) == (4 * L * d if checkpoint == "none" else LK * w * b)
+    assert max(ev[1] for ev in backward) == (4 * L * d if checkpoint == "none" else LK * d * b)
 
 
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])

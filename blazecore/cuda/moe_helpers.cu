@@ -1,5 +1,5 @@
 // The expert FFN's small kernels: tile offsets per expert, the deterministic combine, dgates, bias gradients,
-// token-block starts and the experts seen by a chunk. The GEMMs are in moe_gemm_sm80.cu / moe_gemm_sm90.cu /
+// token-block starts, the experts seen by a chunk and the staging of gathered rows in slot order. The GEMMs are in moe_gemm_sm80.cu / moe_gemm_sm90.cu /
 // moe_wgrad_sm90.cu.
 #include "moe_common.cuh"
 
@@ -149,6 +149,30 @@ __global__ void __launch_bounds__(256) moe_block_starts(const int* __restrict__ 
     if (slot_token[mid] < tok) lo = mid + 1; else hi = mid;
   }
   blk[i] = lo;
+}
+
+// dst[s, :width] = src[slot_token[s], :width] for s in [0, n_slots): a gathered operand's rows staged in slot order
+// (dst rows width apart), for the GEMMs that read them many times over (see _moe_gpu._stage_rows). One warp a row,
+// VEC elements a lane per step (8: 16-byte copies; the launcher picks 1 where src's address or row stride does not
+// allow them). Rows whose token is < 0 (none are: the dispatch is dropless) would be left as they are.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256) moe_gather_rows(const T* __restrict__ src, long long ld_src,
+                                                       const int* __restrict__ slot_token, long long n_slots,
+                                                       int width, T* __restrict__ dst) {
+  const long long s = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (s >= n_slots) return;
+  const int tok = __ldg(slot_token + s);
+  if (tok < 0) return;
+  const T* sr = src + (long long)tok * ld_src;
+  T* dr = dst + s * width;
+  const int lane = threadIdx.x & 31;
+  if constexpr (VEC == 8) {
+    static_assert(sizeof(T) == 2, "16-byte copies of 16-bit elements");
+    for (int c = lane * 8; c < width; c += 32 * 8)
+      *reinterpret_cast<uint4*>(dr + c) = __ldg(reinterpret_cast<const uint4*>(sr + c));
+  } else {
+    for (int c = lane; c < width; c += 32) dr[c] = sr[c];
+  }
 }
 
 // seen[e] |= (expert e has a slot in this chunk): which experts' carried weight-gradient sums hold a value.
