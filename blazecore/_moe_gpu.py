@@ -71,6 +71,11 @@ _NULL = np.uint64(0)
 # come by cp.async. BLAZECORE_SM90_B_LOAD overrides the default for the layer; _Kernels takes it as an argument.
 B_LOADS = ("tma", "cp_async")
 B_LOAD = "tma"
+# How the sm_90a M-grouped epilogues store the output tiles: "tma" (a TMA store a warp's 16 x 64 box, asynchronous) or
+# "st_global" (16-byte stores by the warp's lanes); rows past an expert's slots always take the latter.
+# BLAZECORE_SM90_OUT_STORE overrides it.
+OUT_STORES = ("tma", "st_global")
+OUT_STORE = "tma"
 # Staging of gathered rows (sm_90a, weights by TMA): a GEMM whose gathered A rows (gemm1's x, the weight gradients'
 # x and dy) are read by many n-tiles has them copied into slot order once (moe_gather_rows, an (L*K, d) transient)
 # and then reads them by TMA like the slot-ordered A of gemm2 and dx; the copies of the in-kernel gather cost more
@@ -226,6 +231,7 @@ def _smem90(bn=BN90, staging=True, a_tiles=1):
 # stages during it; dh' (EPI_DHCUR) stages it in the ring and gains only the tile decode and the CTA launch.
 _M_GROUPED = {"gemm1", "gemm2", "gemm2z", "dhcur", "dx", "gemm1s"}
 _A_TMA = {"gemm2", "dx", "gemm1s"}  # M-grouped GEMMs whose A is in slot order (not gathered, not activated in the load)
+_ROWSCALE = {"gemm2", "gemm2z", "dx"}  # the M-grouped GEMMs with the EPI_ROWSCALE epilogue (out by TMA stores)
 _WGRAD = ("dw2", "dw13", "dw2s", "dw13s")  # the sm_90a weight-gradient kernels' roles
 _STAGED = {"gemm1s": "gemm1", "dw2s": "dw2", "dw13s": "dw13"}  # roles on staged rows, and the role they stand for
 _SM90_ONLY = {"gemm2z", *_STAGED}  # variants only the sm_90a kernels have
@@ -426,7 +432,11 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         # gemm1: B's up half ``up`` rows after the gate rows (0: N)
         bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if _STAGED.get(which, which) == "gemm1" else 0) \
             if b_load is None else _tma.null_map()
-        extra = (bmap, _tma.null_map() if amap is None else amap)  # the kernel's tmap_b, tmap_a
+        # EPI_ROWSCALE (gemm2, gemm2z, dx): out by TMA stores, box (64, 16), where out can go so
+        tma_out = os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) == "tma"
+        omap = _rows_map(kern, out, ldo, N, 16) if tma_out and _STAGED.get(which, which) in _ROWSCALE else None
+        nul = _tma.null_map()
+        extra = (bmap, nul if amap is None else amap, nul if omap is None else omap)  # tmap_b, tmap_a, tmap_o
     fn, kv = kern.gemm(which, b_load=b_load)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 

@@ -69,7 +69,8 @@ template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN, bo
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const MGroupedArgs<T> p,
     const __grid_constant__ sm90::TmaMap tmap_b,   // B_TMA: the B operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_a) {  // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_o) {  // EPI_ROWSCALE: out's tensor map, or all zeros (see there)
   const T* __restrict__ A = p.A;
   const T* __restrict__ B = p.B;
   const int* __restrict__ slot_token = p.slot_token;
@@ -318,6 +319,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
     // this warp's epilogue staging (EPI_ACT, EPI_ROWSCALE), outside the ring the producer is refilling
     const unsigned ep = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
+    const bool o_map = EPI == EPI_ROWSCALE && sm90::tma_map_given(&tmap_o);  // out by TMA stores
     // No zero-fill before the mainloop (a non-wgmma write of the accumulators would make ptxas
     // serialize the wgmma pipeline, C7515): the first wgmma runs with scale_d = 0 instead.
     float acc[BN / 2];
@@ -383,6 +385,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue);
 
       // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) --------------------
+#if BLZ_PROBE_EPI == 2
+      if constexpr (EPI == EPI_DHCUR) {
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(epi_done);
+      }
+      continue;
+#endif
       const int srow0 = m0 + cw * 64;     // slot of warpgroup row 0
       const int wrow0 = srow0 + 16 * wq;  // slot of the warp's first row
       const int fr = sm90::acc_row(0, t) - 16 * wq, fc = sm90::acc_col(0, t);  // fragment row (in the warp), column
@@ -422,7 +431,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             }
           }, [&](int rl, unsigned off, int col) {
             const int s = wrow0 + rl, nc = n0 + col;
-            if (s < m_end && nc < N) {
+            if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
               if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
               if (zout) {
                 T* zr = zout + (long long)s * ldo2 + nc;
@@ -433,9 +442,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           });
         }
       } else if constexpr (EPI == EPI_ROWSCALE) {
-        // (acc + bias) * gate, in passes of P columns through the warp's staging for 16-byte row stores
-        constexpr int P = 128;
-        static_assert(16 * P * 2 <= sm90::EPI_WARP_BYTES, "rowscale staging fits in the warp's area");
+        // (acc + bias) * gate, in passes of P = 64 columns through the two 2 KB halves of the warp's staging in turn
+        // (16 rows of 128 bytes, the 128-byte swizzle). With out's tensor map (tmap_o: 2-D (N, rows of out), box
+        // (64, 16)) and all 16 of the warp's rows inside the expert, one lane stores each pass's box by TMA and the
+        // warp goes on (a half is rewritten once the store two passes back has read it); otherwise the warp stores
+        // its rows with 16-byte copies. The stores of the last tiles are waited for before the CTA exits.
+        constexpr int P = 64, HALF = 16 * P * 2;
+        static_assert(2 * HALF <= sm90::EPI_WARP_BYTES, "rowscale staging fits in the warp's area");
         const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
         float gs[2];
 #pragma unroll
@@ -443,17 +456,34 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           const int s = srow0 + sm90::acc_row(2 * h, t);
           gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
         }
+        const bool tma_rows = o_map && wrow0 + 16 <= m_end;  // warp-uniform
 #pragma unroll
         for (int p = 0; p < BN / P; ++p) {
-          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+          const unsigned buf = ep + (p & 1) * HALF;
+          if (o_map) {  // the store that last read this half (two passes back) is done reading it
+            if (lane == 0) sm90::bulk_wait_read<1>();
+            __syncwarp();
+          }
+          auto put = [&](int h, int j, int c, unsigned off) {
             float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
             sm90::add_bias2(be, n0 + c, N, o0, o1);
-            sm90::st_shared_u32(ep + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
-          }, [&](int rl, unsigned off, int col) {
-            const int s = wrow0 + rl, nc = n0 + col;
-            if (s < m_end && nc < N)
-              *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(ep + off);
-          });
+            sm90::st_shared_u32(buf + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+          };
+          if (tma_rows) {
+            sm90::staged_put<P>(p, fr, fc, put);
+            sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
+            __syncwarp();
+            if (lane == 0) {
+              if (n0 + p * P < N && !BLZ_PROBE_EPI) sm90::tma_store_2d(&tmap_o, buf, n0 + p * P, wrow0);
+              sm90::bulk_commit();
+            }
+          } else {
+            sm90::staged_pass<P>(p, fr, fc, lane, put, [&](int rl, unsigned off, int col) {
+              const int s = wrow0 + rl, nc = n0 + col;
+              if (s < m_end && nc < N && !BLZ_PROBE_EPI)
+                *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(buf + off);
+            });
+          }
         }
       } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
         // The z rows are read and dz / g*hcur written through the (idle) stage ring with 16-byte row
@@ -528,7 +558,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll 1
         for (int i = 0; i < 16 / RPI; ++i) {
           const int rl = RPI * i + ro, s = wrow0 + rl;
-          if (s < m_end && nc < N) {
+          if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
             T* dzr = out + (long long)s * ldo + nc;
             *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
             if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
@@ -551,6 +581,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         if (lane == 0) sm90::mbar_arrive(epi_done);  // this warp is done with the ring: the producer may refill it
       }
     }
+    if (o_map && lane == 0) sm90::bulk_wait<0>();  // the TMA stores complete before the CTA's shared memory goes
   }
 #else
   // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.

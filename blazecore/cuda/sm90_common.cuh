@@ -164,9 +164,10 @@ template <int CPR> __device__ __forceinline__ unsigned stage_off(int rl, int ch)
 // offset in a staging array of P columns); then, once the warp's writes are visible, copy(rl, off, col) for this
 // lane's 16-byte chunks (row rl of the warp, chunk offset off, first column col in the tile). The closing
 // __syncwarp lets the next pass (or tile) rewrite the staging.
-template <int P, class Put, class Copy>
-__device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put&& put, Copy&& copy) {
-  constexpr int PCPR = P / 8, RPI = 32 / PCPR;  // 16-byte chunks per staged row; rows per warp instruction
+// staged_put: the put half of a pass alone (the caller moves the staging out itself, e.g. by a TMA store).
+template <int P, class Put>
+__device__ __forceinline__ void staged_put(int p, int fr, int fc, Put&& put) {
+  constexpr int PCPR = P / 8;  // 16-byte chunks per staged row
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -174,6 +175,11 @@ __device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put
       const int j = p * (P / 8) + jj, c = fc + 8 * j;
       put(h, j, c, stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2);
     }
+}
+template <int P, class Put, class Copy>
+__device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put&& put, Copy&& copy) {
+  constexpr int PCPR = P / 8, RPI = 32 / PCPR;  // 16-byte chunks per staged row; rows per warp instruction
+  staged_put<P>(p, fr, fc, put);
   __syncwarp();
   const int co = lane % PCPR, ro = lane / PCPR;
 #pragma unroll

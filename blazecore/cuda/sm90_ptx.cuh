@@ -11,6 +11,10 @@ namespace sm90 {
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// Timing probes only (wrong results): 1 leaves out the M-grouped epilogues' global stores, 2 the whole epilogues.
+#ifndef BLZ_PROBE_EPI
+#define BLZ_PROBE_EPI 0
+#endif
 #ifndef BLZ_SM90_PLAIN_A
 #define BLZ_SM90_PLAIN_A 1
 #endif

@@ -55,5 +55,30 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, uns
       : "memory");
 }
 
+// Stores: one box of shared memory at src (laid out as the map's swizzle puts it: 128-byte swizzle, src 1024-byte
+// aligned; 64-byte swizzle, 512) to the 2-D map at (c0, c1); elements outside the map's bounds are not written. The
+// issuing thread groups its stores (commit) and waits for them to have read shared memory (before the staging is
+// rewritten) or to be complete (before the CTA exits); the writer threads fence their generic stores to the staging
+// (fence_proxy_async_smem) before the issuing thread reads them through the async proxy.
+__device__ __forceinline__ void tma_store_2d(const TmaMap* map, unsigned src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
+               ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Whether a map was given (the host passes an all-zero map for "none").
+__device__ __forceinline__ bool tma_map_given(const TmaMap* map) {
+  unsigned long long v = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v |= map->opaque[i];
+  return v != 0ull;
+}
+
 }  // namespace sm90
 }  // namespace blz
