@@ -260,17 +260,18 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           // one thread issues the stage's boxes after raising the full barrier's transaction count by their bytes
           if (tid == 0) {
             const unsigned bar = full0 + 8 * stage;
-            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES + (A_TMA ? C::A_BYTES : 0));
+            sm90::mbar_arrive_expect_tx(bar, C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) + (A_TMA ? C::A_BYTES : 0));
             // A_TMA: rows m0.. of A, one box of 128 rows x 64 k; rows past the expert's slots hold the next
             // expert's rows (or zeros past A's end): their output rows are never stored
             if constexpr (A_TMA) sm90::tma_load_2d(as, &tmap_a, bar, k0, m0);
             if constexpr (B_KMAJOR) {
               constexpr int HALF = BN / 2;  // rows per box
               sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
-              sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
+              if (!BLZ_PROBE_HALF_B)
+                sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
             } else {
 #pragma unroll
-              for (int a = 0; a < BN / 64; ++a)
+              for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
                 sm90::tma_load_3d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, n0 + 64 * a, k0, e);
             }
           }

@@ -173,14 +173,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         // 64-column atom)
         if (tid == 0) {
           const unsigned bar = full0 + 8 * stage;
-          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES : 0));
+          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) : 0));
           if constexpr (A_TMA) {
             sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
             sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
           }
           if constexpr (B_TMA) {
 #pragma unroll
-            for (int a = 0; a < BN / 64; ++a) sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
+            for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+              sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
           }
         }
       }

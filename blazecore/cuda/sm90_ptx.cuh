@@ -15,6 +15,10 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_EPI
 #define BLZ_PROBE_EPI 0
 #endif
+// Timing probe only (wrong results): 1 loads half of each stage's TMA B tile (the bytes a 2-CTA multicast would save).
+#ifndef BLZ_PROBE_HALF_B
+#define BLZ_PROBE_HALF_B 0
+#endif
 #ifndef BLZ_SM90_PLAIN_A
 #define BLZ_SM90_PLAIN_A 1
 #endif
