@@ -76,6 +76,21 @@ B_LOAD = "tma"
 # BLAZECORE_SM90_OUT_STORE overrides it.
 OUT_STORES = ("tma", "st_global")
 OUT_STORE = "tma"
+# The sm_90a weight gradients in 2-CTA clusters (moe_wgrad_sm90_x2): the CTAs of two m-tiles of one (expert, n-tile)
+# each load half of the slot-indexed B tile by TMA and multicast it to both, halving the B bytes each SM reads from
+# L2 (the m-tile count must be even, and the gathered rows not staged; else one CTA a tile). BLAZECORE_SM90_CLUSTER
+# ("1" or "2") overrides it.
+WGRAD_CLUSTERS = (1, 2)
+WGRAD_CLUSTER = 2
+
+
+def _wgrad_cluster() -> int:
+    v = os.environ.get("BLAZECORE_SM90_CLUSTER") or str(WGRAD_CLUSTER)
+    if v not in ("1", "2"):
+        raise ValueError(f"BLAZECORE_SM90_CLUSTER must be 1 or 2, got {v!r}")
+    return int(v)
+
+
 # Staging of gathered rows (sm_90a, weights by TMA): a GEMM whose gathered A rows (gemm1's x, the weight gradients'
 # x and dy) are read by many n-tiles has them copied into slot order once (moe_gather_rows, an (L*K, d) transient)
 # and then reads them by TMA like the slot-ordered A of gemm2 and dx; the copies of the in-kernel gather cost more
@@ -164,17 +179,18 @@ def _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=False, a_act=False, a_t
             f"{b(a_tma)}, {stages}>")
 
 
-def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False, b_tma=False):
+def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=False, b_tma=False, cluster=1):
     b = lambda v: "true" if v else "false"  # noqa: E731
-    return (f"blz::moe_wgrad_sm90<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}, "
+    kernel = "moe_wgrad_sm90_x2" if cluster == 2 else "moe_wgrad_sm90"
+    return (f"blz::{kernel}<{ct}, {b(a_gather)}, {b(b_gather)}, {BN90}, {b(out_t)}, {b(carry_in)}, "
             f"{b(a_tma)}, {b(b_tma)}, {_stages90(BN90)}>")
 
 
-def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
+def _name90(ct, which, v, carry_in=False, b_load="cp_async", cluster=1):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
     ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed B of
-    a weight-gradient kernel."""
+    a weight-gradient kernel; ``cluster``: 2 for the weight gradients' 2-CTA cluster form (B by TMA, multicast)."""
     b_kmajor, epi, act, a_gather = v.b_kmajor, v.epi, v.act, v.a_gather
     tma = b_load == "tma"
     if which == "gemm2z":
@@ -185,7 +201,7 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async"):
         # is computed as transposed tiles (x_g^T dz, stored as out[e][n][m])
         staged = which in _STAGED
         return _wgrad90_name(ct, not staged, False, out_t=which.startswith("dw13"), carry_in=carry_in, a_tma=staged,
-                             b_tma=tma)
+                             b_tma=tma, cluster=cluster if tma else 1)
     # a slot-ordered A beside a TMA B (the second GEMM's hcur, dx's dz) comes by TMA too
     return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_tma=tma and which in _A_TMA)
 
@@ -202,8 +218,9 @@ def _module_names90(ct, act):
 def _wgrad_names90(ct):
     """The sm_90a weight-gradient kernels of one dtype (activation-independent): one module of _FILE_WGRAD90."""
     variants = _variants(0)
-    return tuple(dict.fromkeys(_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load)
-                               for k in _WGRAD for carry_in in (False, True) for b_load in B_LOADS))
+    return tuple(dict.fromkeys(_name90(ct, k, variants[k], carry_in=carry_in, b_load=b_load, cluster=cluster)
+                               for k in _WGRAD for carry_in in (False, True) for b_load in B_LOADS
+                               for cluster in WGRAD_CLUSTERS))
 
 
 def _stages90(bn=BN90, a_tiles=1):
@@ -310,15 +327,16 @@ class _Kernels:
         """One of the small kernels (moe_helpers.cu) for this dtype."""
         return _compile.get_function(_FILE_HELPERS, name, module_names=_helper_names(self.ct))
 
-    def variant(self, which, carry_in=False, b_load=None) -> KernelVariant:
+    def variant(self, which, carry_in=False, b_load=None, cluster=1) -> KernelVariant:
         """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
-        for this launch (sm_90a)."""
+        for this launch and ``cluster`` picks the weight gradients' 2-CTA form (sm_90a)."""
         v = self.variants[which]
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
-            return KernelVariant(file, _name90(self.ct, which, v, carry_in, b_load or self.b_load), NTHREADS90, BM,
-                                 BN90, _stages90(BN90, a_tiles), _smem90(BN90, which in _M_GROUPED, a_tiles))
+            name = _name90(self.ct, which, v, carry_in, b_load or self.b_load, cluster)
+            return KernelVariant(file, name, NTHREADS90, BM, BN90, _stages90(BN90, a_tiles),
+                                 _smem90(BN90, which in _M_GROUPED, a_tiles))
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
 
@@ -330,9 +348,9 @@ class _Kernels:
             return _wgrad_names90(self.ct)
         return self.names
 
-    def gemm(self, which, carry_in=False, b_load=None):
+    def gemm(self, which, carry_in=False, b_load=None, cluster=1):
         """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
-        kv = self.variant(which, carry_in, b_load)
+        kv = self.variant(which, carry_in, b_load, cluster)
         return _compile.get_function(kv.file, kv.name, module_names=self.module_names(kv),
                                      max_dynamic_smem=kv.smem), kv
 
@@ -394,16 +412,46 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
-def _rows_map(kern, X, ldx, cols, box_rows):
+def _rows_map(kern, X, ldx, cols, box_rows, cols_box=64, swizzle=None, col0=0):
     """The tensor map of an operand X read in slot order, rows by rows (the M-grouped kernels' A, moe_gemm_sm90's
-    tmap_a, box (64, 128); the weight-gradient kernels' slot-indexed B, moe_wgrad_sm90's tmap_b, box (64, 64)): 2-D
-    (cols, rows of X); None where X cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride
-    the copy engine cannot take), and the launch loads it by cp.async."""
+    tmap_a, box (64, 128); the weight-gradient kernels' slot-indexed B, moe_wgrad_sm90's tmap_b, box (64, 64)), or of
+    an output the epilogue stores by TMA (box (cols_box, box_rows), see _out_maps): 2-D (cols, rows of X) from column
+    col0 of X, 128-byte swizzle unless ``swizzle``; None where X cannot go by TMA (a dry run, cp.async loads asked for,
+    an address or row stride the copy engine cannot take, no rows), and the launch uses the copies by threads."""
     es = kern.itemsize
-    if kern.b_load != "tma" or _array.dry() is not None or X.data.ptr % 16 or (ldx * es) % 16:
+    ptr = X.data.ptr + col0 * es if _array.dry() is None else 0
+    if kern.b_load != "tma" or _array.dry() is not None or ptr % 16 or (ldx * es) % 16 or X.shape[0] == 0:
         return None
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, box_rows))
+    return _tma.tiled_map(ptr, dt, (cols, X.shape[0]), (ldx * es,), (cols_box, box_rows),
+                          _tma.SWIZZLE_128B if swizzle is None else swizzle)
+
+
+def _out_maps(kern, role, out, ldo, out2, ldo2, N, store_h, store_z):
+    """(tmap_o, tmap_o2, tmap_o3) of an M-grouped launch: the tensor maps its epilogue stores the outputs by
+    (OUT_STORE "tma"), boxes of 16 rows: EPI_ROWSCALE (gemm2, gemm2z, dx) out, 64 columns, 128-byte swizzle; EPI_ACT
+    (gemm1) h (out) and z (out2; gated: its gate and up halves, N columns apart), 32 columns and the 64-byte swizzle
+    gated, 64 and the 128-byte swizzle plain. All null where any of them cannot be made (the kernel then stores
+    with 16-byte copies) and for the other epilogues."""
+    nul = _tma.null_map()
+    none = (nul, nul, nul)
+    if os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) != "tma":
+        return none
+    if role in _ROWSCALE:
+        m = _rows_map(kern, out, ldo, N, 16)
+        return none if m is None else (m, nul, nul)
+    if role != "gemm1":
+        return none
+    cols, swz = (32, _tma.SWIZZLE_64B) if kern.gated else (64, _tma.SWIZZLE_128B)
+    maps = [nul, nul, nul]
+    wanted = ([(0, out, ldo, 0)] if store_h else []) + \
+        ([(1, out2, ldo2, 0)] + ([(2, out2, ldo2, N)] if kern.gated else []) if store_z else [])
+    for i, X, ld, c0 in wanted:
+        m = _rows_map(kern, X, ld, N, 16, cols_box=cols, swizzle=swz, col0=c0)
+        if m is None:
+            return none
+        maps[i] = m
+    return tuple(maps)
 
 
 GEMM_LAUNCHERS = ("_launch_m", "_launch_k")  # the launchers of every expert GEMM (the benchmarks time them)
@@ -433,10 +481,9 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if _STAGED.get(which, which) == "gemm1" else 0) \
             if b_load is None else _tma.null_map()
         # EPI_ROWSCALE (gemm2, gemm2z, dx): out by TMA stores, box (64, 16), where out can go so
-        tma_out = os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) == "tma"
-        omap = _rows_map(kern, out, ldo, N, 16) if tma_out and _STAGED.get(which, which) in _ROWSCALE else None
         nul = _tma.null_map()
-        extra = (bmap, nul if amap is None else amap, nul if omap is None else omap)  # tmap_b, tmap_a, tmap_o
+        omaps = _out_maps(kern, _STAGED.get(which, which), out, ldo, out2, ldo2, N, store_h, store_z)
+        extra = (bmap, nul if amap is None else amap, *omaps)  # tmap_b, tmap_a, tmap_o, tmap_o2, tmap_o3
     fn, kv = kern.gemm(which, b_load=b_load)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
@@ -456,7 +503,7 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         _moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets, kblocks=kblocks,
         out=out, carry=carry, carry_seen=carry_seen, lda=lda, ldb=ldb, ldo=ldo, o_estride=o_estride, num_experts=E,
         M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out)
-    extra, b_load = (), None
+    extra, b_load, cluster = (), None, 1
     if kern.sm90:  # B (by slot) by TMA where it can go so; staged A rows by TMA
         bmap = _rows_map(kern, B, ldb, N, 64)
         b_load = "tma" if bmap is not None else "cp_async"
@@ -464,7 +511,11 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         if which in _STAGED and amap is None and _array.dry() is None:
             raise RuntimeError(f"{which}: the staged rows cannot be read by TMA")  # a fresh buffer always can
         extra = (_tma.null_map() if amap is None else amap, _tma.null_map() if bmap is None else bmap)
-    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load)
+        # 2-CTA clusters multicasting B: the CTAs of m-tiles 2j and 2j + 1 pair up where every expert has an even
+        # number of m-tiles (the grid's grouped order then puts them side by side)
+        # (the staged-row roles, A by TMA too, measured 2-3% slower so: one CTA a tile)
+        cluster = _wgrad_cluster() if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
+    fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 

@@ -139,9 +139,9 @@ def _activations():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_launchable_kernel_is_registered(arch):
-    """Every kernel a launcher can ask for (each dtype, activation, weight layout, GEMM path, GEMM role, carry and
-    dense-operand load) is registered in the file the launcher loads it from (so the CPU compile check covers it)
-    and is among the names of the module the launcher builds for it."""
+    """Every kernel a launcher can ask for (each dtype, activation, weight layout, GEMM path, GEMM role, carry,
+    dense-operand load and the weight gradients' cluster form) is registered in the file the launcher loads it from (so
+    the CPU compile check covers it) and is among the names of the module the launcher builds for it."""
     seen = set()
     with _array.dry_run(arch):
         for dtype, act, layout, path in itertools.product((np.float32, np.float16, blazecore.BF16), _activations(),
@@ -150,8 +150,9 @@ def test_every_launchable_kernel_is_registered(arch):
             for which in kern.variants:
                 if which in _moe_gpu._SM90_ONLY and not kern.sm90:
                     continue
-                for carry_in, b_load in itertools.product((False, True), _moe_gpu.B_LOADS):
-                    kv = kern.variant(which, carry_in, b_load)
+                for carry_in, b_load, cluster in itertools.product((False, True), _moe_gpu.B_LOADS,
+                                                                   _moe_gpu.WGRAD_CLUSTERS):
+                    kv = kern.variant(which, carry_in, b_load, cluster)
                     assert kv.name in _compile.KERNELS[kv.file], (kv.file, kv.name)
                     assert kv.name in kern.module_names(kv), (kv.file, kv.name)  # the module it is loaded from
                     seen.add(kv.file)

@@ -1076,12 +1076,13 @@ def test_act_in_operand_must_be_bool():
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_tokens", [pytest.param(None, id="one_block"), pytest.param(8, id="blocks_of_8")])
 @pytest.mark.parametrize("which", ["dw13", "dw2"])
-def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
+def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens, monkeypatch):
     """The sm_90a weight-gradient kernels load their slot-indexed operand (dw13: dz, dw2: g * hcur) by TMA or by
     cp.async. A TMA box always holds 64 slots, so a reduction tile shorter than that (an expert's last, or a token
     block's last when the reduction restarts at block boundaries) brings in the next expert's rows: the kernel zeroes
     them. With +Inf in every slot-indexed row of expert 1, experts 0 and 2 must stay finite, match a float64
-    reference, and have the same bits on both load paths."""
+    reference, and have the same bits on both load paths, and with B multicast in 2-CTA clusters (moe_wgrad_sm90_x2,
+    BLAZECORE_SM90_CLUSTER=2: the m-tile counts here are even) as with one CTA a tile."""
     import cupy
 
     from blazecore import _moe_gpu
@@ -1098,7 +1099,8 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
     X = rng.standard_normal((L, d)).astype(BF16)  # gathered: x or dy
     stream = cupy.cuda.get_current_stream()
     outs = {}
-    for b_load in _moe_gpu.B_LOADS:
+    for b_load, cluster in (("tma", "2"), ("tma", "1"), ("cp_async", "1")):
+        monkeypatch.setenv("BLAZECORE_SM90_CLUSTER", cluster)
         kern = _moe_gpu._Kernels(BF16, "swiglu", b_load=b_load)
         blk, nb = (None, 0) if block_tokens is None else _moe_gpu._block_starts(kern, disp, E, L, block_tokens,
                                                                                 stream)
@@ -1106,19 +1108,19 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens):
         if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
             out = cupy.zeros((E, M, d), np.uint16)
             _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, blk, nb, stream, None, 0, 0)
-            outs[b_load] = cupy.asnumpy(out).view(BF16).astype(np.float64)
+            outs[b_load, cluster] = cupy.asnumpy(out).view(BF16).astype(np.float64)
         else:  # dw2_e (d, M) = dy_g^T (g hcur)_e
             out = cupy.zeros((E, d, M), np.uint16)
             _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, blk, nb, stream)
-            outs[b_load] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+            outs[b_load, cluster] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
     s64, x64 = S.astype(np.float64), X.astype(np.float64)
     for e in (0, 2):
         s0, s1 = offsets[e], offsets[e + 1]
         want = s64[s0:s1].T @ x64[slot_token[s0:s1]]
-        for b_load, got in outs.items():
-            assert np.isfinite(got[e]).all(), f"{b_load}: expert {e} took the next expert's rows"
-            assert_close(got[e], want, TOL[BF16], f"{b_load} expert {e}")
-        assert outs["tma"][e].tobytes() == outs["cp_async"][e].tobytes(), f"expert {e}: bits differ between loads"
+        for path, got in outs.items():
+            assert np.isfinite(got[e]).all(), f"{path}: expert {e} took the next expert's rows"
+            assert_close(got[e], want, TOL[BF16], f"{path} expert {e}")
+            assert got[e].tobytes() == outs["cp_async", "1"][e].tobytes(), f"expert {e}: bits differ on {path}"
 
 
 def test_gemm_path_argument_is_checked():

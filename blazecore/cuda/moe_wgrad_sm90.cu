@@ -70,12 +70,18 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
   }
 }
 
+// CLUSTER = 2 (moe_wgrad_sm90_x2, B_TMA only): CTAs 2u and 2u + 1 form a cluster and take m-tiles 2j and 2j + 1 of one
+// (expert, n-tile) (the launcher uses it where the m-tile count is even, so the grouped order pairs them so), which
+// read the same B tiles: each CTA loads half of every stage's B atoms (rank r: atoms [r BN / 128, (r + 1) BN / 128))
+// and multicasts them into both CTAs' stage, each full barrier expecting the whole B as before. A stage is refilled
+// once the consumers of both CTAs released it: the empty barriers count both CTAs' consumer warps (each warp arrives
+// on its own CTA's and, through the cluster, on the other's). The two CTAs reduce the same slots (one expert), so
+// their rings run in step; a cluster barrier after the barrier set-up and another before exit keep every remote
+// arrival and multicast write inside both CTAs' lifetimes.
 template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
-          int STAGES>
-__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
-    const KGroupedArgs<T> p,
-    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
+          int STAGES, int CLUSTER>
+__device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90::TmaMap& tmap_a,
+                                           const sm90::TmaMap& tmap_b) {
   const T* __restrict__ A = p.A;
   const T* __restrict__ B = p.B;
   const int* __restrict__ slot_token = p.slot_token;
@@ -90,6 +96,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(!(A_TMA && A_GATHER), "TMA A: the slot-indexed operand only (the copy engine does not gather rows)");
   static_assert(!(B_TMA && B_GATHER), "TMA B: the slot-indexed operand only (the copy engine does not gather rows)");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && B_TMA), "2-CTA clusters multicast a TMA B");
+  constexpr int MC = CLUSTER;  // CTAs sharing (multicasting) each B tile
   constexpr bool ANY_TMA = A_TMA || B_TMA;
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
   using C = sm90::Cfg<BN, false, 1, STAGES>;  // no epilogue staging area, no tile descriptors
@@ -125,10 +133,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     for (int s = 0; s < STAGES; ++s) {
       // one or two per producer thread (producer_signal<.., true>) + the TMA expect_tx
       sm90::mbar_init(full0 + 8 * s, 128 * sm90::producer_arrivals(true) + (ANY_TMA ? 1 : 0));
-      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);  // one arrival per consumer warp
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS * MC);  // one arrival per consumer warp (cluster)
     }
+    if constexpr (CLUSTER > 1) sm90::fence_mbarrier_init_cluster();
   }
   __syncthreads();
+  if constexpr (CLUSTER > 1) sm90::cluster_sync();  // the peer's barriers exist before any remote access
+  const unsigned rank = CLUSTER > 1 ? sm90::cluster_rank() : 0u;
 
   if (tid < 128) {
     // ================================ producer warpgroup ================================
@@ -178,7 +189,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
             sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
             sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
           }
-          if constexpr (B_TMA) {
+          if constexpr (B_TMA && MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
+            constexpr int HA = BN / 128;
+#pragma unroll
+            for (int a = 0; a < HA; ++a) {
+              const int at = static_cast<int>(rank) * HA + a;
+              sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, t0, 0x3);
+            }
+          } else if constexpr (B_TMA) {
 #pragma unroll
             for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
               sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
@@ -256,12 +274,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
       for (int ks = 0; ks < BK / 16; ++ks)
         sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                carry_in || (kt | ks) != 0);
-    }, carry_in, zero_tail);  // an expert without slots leaves zero accumulators (or the carried sums)
+    }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
+    // (an expert without slots leaves zero accumulators, or the carried sums)
     if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
-      return;
-    }
+    } else {
 
     T* oe = out + (long long)e * o_estride;
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
@@ -321,11 +339,35 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
         if (m < M && n < N) store16(oe + (long long)m * ldo + n, v);
       }
     }
+    }  // not carry_out
   }
+  if constexpr (CLUSTER > 1) sm90::cluster_sync();  // no remote arrival or multicast into a CTA that has exited
 #else
+  (void)p;
+  (void)tmap_a;
+  (void)tmap_b;
   // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
   __trap();
 #endif
+}
+
+template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
+          int STAGES>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
+    const KGroupedArgs<T> p,
+    const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
+  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 1>(p, tmap_a, tmap_b);
+}
+
+// The 2-CTA cluster form (CLUSTER = 2 above): grid a multiple of 2, every expert's m-tile count even.
+template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
+          int STAGES>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90_x2(
+    const KGroupedArgs<T> p,
+    const __grid_constant__ sm90::TmaMap tmap_a,
+    const __grid_constant__ sm90::TmaMap tmap_b) {
+  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 2>(p, tmap_a, tmap_b);
 }
 
 }  // namespace blz

@@ -201,7 +201,8 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // group in flight and release the previous stage to the producer. Ends with every group complete; an empty
 // reduction (num_kt == 0) leaves zero accumulators, unless keep_acc (the caller loaded partial sums).
 // stage / phase: the ring position of the first k-tile, advanced past the last; every stage read is released,
-// so a persistent CTA continues with the next tile's k-tiles.
+// so a persistent CTA continues with the next tile's k-tiles. peer_empty0 (a shared::cluster address; 0: none): the
+// empty barriers of the other CTA of a 2-CTA cluster, released too (its producer multicasts into this CTA's stages).
 // prep(stage byte offset >> 4, kt), when given, runs after the stage's wait and before the wgmma fence: shared-memory
 // fix-ups of the stage (it orders them before the wgmmas itself).
 struct NoPrep {
@@ -210,7 +211,7 @@ struct NoPrep {
 template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
                                                   int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
-                                                  bool keep_acc = false, P&& prep = P()) {
+                                                  bool keep_acc = false, P&& prep = P(), unsigned peer_empty0 = 0) {
   int prev = 0;
   for (int kt = 0; kt < num_kt; ++kt) {
     mbar_wait(full0 + 8 * stage, phase);
@@ -229,7 +230,10 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
       // 128 * CONSUMER_WGS arrivals for these kernels
       mbar_arrive(empty0 + 8 * stage);
     } else {
-      if (kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+      if (kt > 0 && (t & 31) == 0) {
+        mbar_arrive(empty0 + 8 * prev);
+        if (peer_empty0) mbar_arrive_cluster(peer_empty0 + 8 * prev);
+      }
     }
     prev = stage;
     if (++stage == STAGES) {
@@ -239,7 +243,10 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   }
   wgmma_wait<0>();
   fence_regs(acc);
-  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) mbar_arrive(empty0 + 8 * prev);
+  if (INFLIGHT != 0 && num_kt > 0 && (t & 31) == 0) {
+    mbar_arrive(empty0 + 8 * prev);
+    if (peer_empty0) mbar_arrive_cluster(peer_empty0 + 8 * prev);
+  }
   if (num_kt == 0 && !keep_acc) {
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.f;

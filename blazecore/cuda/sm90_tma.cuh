@@ -55,6 +55,45 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, uns
       : "memory");
 }
 
+// The same box multicast into the shared memory of every CTA of the cluster in `mask` (bit r: CTA rank r), at the same
+// offset dst and completing on the mbarrier at the same offset bar in each of them.
+__device__ __forceinline__ void tma_load_2d_mc(unsigned dst, const TmaMap* map, unsigned bar, int c0, int c1,
+                                               unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+
+// ---- clusters --------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of this CTA's shared-memory address a in the CTA of rank `rank`.
+__device__ __forceinline__ unsigned map_to_rank(unsigned a, unsigned rank) {
+  unsigned d;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(rank));
+  return d;
+}
+// Arrive (release, cluster scope) on an mbarrier of another CTA of the cluster (a shared::cluster address).
+// (Release at CTA scope, as a local arrival: the arriving warp's wgmmas are done reading the stage. The cluster-scope
+// form, .release.cluster, made the 2-CTA weight gradients 20-40% slower than one CTA a tile.)
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned remote_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+}
+
+// Make this CTA's mbarrier initialisation visible to the cluster (before the cluster barrier that publishes it).
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Every thread of every CTA of the cluster arrives, then waits for all of them.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Stores: one box of shared memory at src (laid out as the map's swizzle puts it: 128-byte swizzle, src 1024-byte
 // aligned; 64-byte swizzle, 512) to the 2-D map at (c0, c1); elements outside the map's bounds are not written. The
 // issuing thread groups its stores (commit) and waits for them to have read shared memory (before the staging is
