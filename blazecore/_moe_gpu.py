@@ -412,46 +412,27 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
-def _rows_map(kern, X, ldx, cols, box_rows, cols_box=64, swizzle=None, col0=0):
+def _rows_map(kern, X, ldx, cols, box_rows):
     """The tensor map of an operand X read in slot order, rows by rows (the M-grouped kernels' A, moe_gemm_sm90's
-    tmap_a, box (64, 128); the weight-gradient kernels' slot-indexed B, moe_wgrad_sm90's tmap_b, box (64, 64)), or of
-    an output the epilogue stores by TMA (box (cols_box, box_rows), see _out_maps): 2-D (cols, rows of X) from column
-    col0 of X, 128-byte swizzle unless ``swizzle``; None where X cannot go by TMA (a dry run, cp.async loads asked for,
-    an address or row stride the copy engine cannot take, no rows), and the launch uses the copies by threads."""
+    tmap_a, box (64, 128); the weight-gradient kernels' slot-indexed B and staged A, moe_wgrad_sm90's tmap_b / tmap_a,
+    box (64, 64)), or of an output the epilogue stores by TMA (box (64, 16), see _out_map): 2-D (cols, rows of X),
+    128-byte swizzle; None where X cannot go by TMA (a dry run, cp.async loads asked for, an address or row stride the
+    copy engine cannot take, no rows), and the launch uses the copies by threads instead."""
     es = kern.itemsize
-    ptr = X.data.ptr + col0 * es if _array.dry() is None else 0
-    if kern.b_load != "tma" or _array.dry() is not None or ptr % 16 or (ldx * es) % 16 or X.shape[0] == 0:
+    if kern.b_load != "tma" or _array.dry() is not None or X.data.ptr % 16 or (ldx * es) % 16 or X.shape[0] == 0:
         return None
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    return _tma.tiled_map(ptr, dt, (cols, X.shape[0]), (ldx * es,), (cols_box, box_rows),
-                          _tma.SWIZZLE_128B if swizzle is None else swizzle)
+    return _tma.tiled_map(X.data.ptr, dt, (cols, X.shape[0]), (ldx * es,), (64, box_rows))
 
 
-def _out_maps(kern, role, out, ldo, out2, ldo2, N, store_h, store_z):
-    """(tmap_o, tmap_o2, tmap_o3) of an M-grouped launch: the tensor maps its epilogue stores the outputs by
-    (OUT_STORE "tma"), boxes of 16 rows: EPI_ROWSCALE (gemm2, gemm2z, dx) out, 64 columns, 128-byte swizzle; EPI_ACT
-    (gemm1) h (out) and z (out2; gated: its gate and up halves, N columns apart), 32 columns and the 64-byte swizzle
-    gated, 64 and the 128-byte swizzle plain. All null where any of them cannot be made (the kernel then stores
-    with 16-byte copies) and for the other epilogues."""
-    nul = _tma.null_map()
-    none = (nul, nul, nul)
-    if os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) != "tma":
-        return none
-    if role in _ROWSCALE:
-        m = _rows_map(kern, out, ldo, N, 16)
-        return none if m is None else (m, nul, nul)
-    if role != "gemm1":
-        return none
-    cols, swz = (32, _tma.SWIZZLE_64B) if kern.gated else (64, _tma.SWIZZLE_128B)
-    maps = [nul, nul, nul]
-    wanted = ([(0, out, ldo, 0)] if store_h else []) + \
-        ([(1, out2, ldo2, 0)] + ([(2, out2, ldo2, N)] if kern.gated else []) if store_z else [])
-    for i, X, ld, c0 in wanted:
-        m = _rows_map(kern, X, ld, N, 16, cols_box=cols, swizzle=swz, col0=c0)
-        if m is None:
-            return none
-        maps[i] = m
-    return tuple(maps)
+def _out_map(kern, role, out, ldo, N):
+    """tmap_o of an M-grouped launch: the tensor map the EPI_ROWSCALE epilogue (gemm2, gemm2z, dx) stores ``out`` by
+    (OUT_STORE "tma"), boxes of 64 columns x 16 rows, 128-byte swizzle; a null map where it cannot be made (the kernel
+    then stores with 16-byte copies) and for the other epilogues."""
+    if os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) != "tma" or role not in _ROWSCALE:
+        return _tma.null_map()
+    m = _rows_map(kern, out, ldo, N, 16)
+    return _tma.null_map() if m is None else m
 
 
 GEMM_LAUNCHERS = ("_launch_m", "_launch_k")  # the launchers of every expert GEMM (the benchmarks time them)
@@ -481,9 +462,8 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if _STAGED.get(which, which) == "gemm1" else 0) \
             if b_load is None else _tma.null_map()
         # EPI_ROWSCALE (gemm2, gemm2z, dx): out by TMA stores, box (64, 16), where out can go so
-        nul = _tma.null_map()
-        omaps = _out_maps(kern, _STAGED.get(which, which), out, ldo, out2, ldo2, N, store_h, store_z)
-        extra = (bmap, nul if amap is None else amap, *omaps)  # tmap_b, tmap_a, tmap_o, tmap_o2, tmap_o3
+        omap = _out_map(kern, _STAGED.get(which, which), out, ldo, N)
+        extra = (bmap, _tma.null_map() if amap is None else amap, omap)  # the kernel's tmap_b, tmap_a, tmap_o
     fn, kv = kern.gemm(which, b_load=b_load)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 

@@ -20,7 +20,6 @@ MAP_DTYPE = np.dtype([("opaque", "<u8", (MAP_BYTES // 8,))])
 
 # CUtensorMapDataType / CUtensorMapSwizzle / CUtensorMapL2promotion (cuda.h)
 _DATA_TYPES = {"uint16": 1, "float16": 6, "bfloat16": 9}
-SWIZZLE_64B = 2
 SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 

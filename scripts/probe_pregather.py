@@ -39,7 +39,7 @@ def _launch_pregathered(G, kern, which, grid, stream, a_g, kw):
         args = _moe_args.pack(_moe_args.M_GROUPED, **{k: fields.get(k) for k in _moe_args.M_GROUPED.names})
         bmap = G._b_map(kern, which, kw["B"], kw["ldb"], kw["b_estride"], kw["E"], kw["N"], Kd,
                         up if which == "gemm1" else 0)
-        extra = (bmap, G._rows_map(kern, a_g, Kd, Kd, G.BM), _tma.null_map(), _tma.null_map(), _tma.null_map())
+        extra = (bmap, G._rows_map(kern, a_g, Kd, Kd, G.BM), _tma.null_map())
         grid = G._persistent_grid(grid)
     else:
         name = G._wgrad90_name(kern.ct, False, False, out_t=which == "dw13", a_tma=True, b_tma=True)

@@ -70,9 +70,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const MGroupedArgs<T> p,
     const __grid_constant__ sm90::TmaMap tmap_b,   // B_TMA: the B operand's tensor map
     const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_o,    // out's tensor map (EPI_ROWSCALE, EPI_ACT's h), or all zeros
-    const __grid_constant__ sm90::TmaMap tmap_o2,   // EPI_ACT: z's (gated: its gate half's) tensor map, or zeros
-    const __grid_constant__ sm90::TmaMap tmap_o3) {  // EPI_ACT gated: z's up half's tensor map, or zeros
+    const __grid_constant__ sm90::TmaMap tmap_o) {  // EPI_ROWSCALE: out's tensor map, or all zeros (see there)
   const T* __restrict__ A = p.A;
   const T* __restrict__ B = p.B;
   const int* __restrict__ slot_token = p.slot_token;
@@ -322,11 +320,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup: rows [16 wq, 16 wq + 16)
     // this warp's epilogue staging (EPI_ACT, EPI_ROWSCALE), outside the ring the producer is refilling
     const unsigned ep = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
-    // the epilogue's outputs by TMA stores: EPI_ROWSCALE out (tmap_o); EPI_ACT each stored output's map given (h:
-    // tmap_o, z: tmap_o2 and, gated, tmap_o3); see the epilogues
-    const bool o_map = (EPI == EPI_ROWSCALE && sm90::tma_map_given(&tmap_o)) ||
-                       (EPI == EPI_ACT && (!p.store_h || sm90::tma_map_given(&tmap_o)) &&
-                        (!p.store_z || (sm90::tma_map_given(&tmap_o2) && (!GATED || sm90::tma_map_given(&tmap_o3)))));
+    const bool o_map = EPI == EPI_ROWSCALE && sm90::tma_map_given(&tmap_o);  // out by TMA stores
     // No zero-fill before the mainloop (a non-wgmma write of the accumulators would make ptxas
     // serialize the wgmma pipeline, C7515): the first wgmma runs with scale_d = 0 instead.
     float acc[BN / 2];
@@ -413,18 +407,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         T* hout = p.store_h ? out : nullptr;
         T* zout = p.store_z ? out2 : nullptr;
         const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
-        // TMA stores (o_map, all 16 of the warp's rows inside the expert): each pass's arrays go out as boxes of
-        // 16 rows x P columns (h: tmap_o; z: tmap_o2, gated its up half tmap_o3), laid out as the maps' swizzle
-        // (64-byte rows and the 64-byte swizzle gated, 128-byte rows and the 128-byte swizzle plain: stage_off);
-        // a pass rewrites the staging once the previous pass's stores have read it.
-        const bool tma_rows = o_map && wrow0 + 16 <= m_end;  // warp-uniform
 #pragma unroll
         for (int p = 0; p < NC / P; ++p) {
-          if (o_map) {
-            if (lane == 0) sm90::bulk_wait_read<0>();
-            __syncwarp();
-          }
-          auto put = [&](int h, int j, int c, unsigned off) {
+          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
             if constexpr (GATED) {
               constexpr int UP = BN / 16;  // column groups between a gate column and its up column
               float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
@@ -445,25 +430,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
               sm90::st_shared_u32(za + off, zv);
             }
-          };
-          if (tma_rows) {
-            sm90::staged_put<P>(p, fr, fc, put);
-            sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
-            __syncwarp();
-            if (lane == 0) {
-              const int c0 = n0 + p * P;
-              if (c0 < N && !BLZ_PROBE_EPI) {
-                if (hout) sm90::tma_store_2d(&tmap_o, hs, c0, wrow0);
-                if (zout) {
-                  sm90::tma_store_2d(&tmap_o2, za, c0, wrow0);
-                  if constexpr (GATED) sm90::tma_store_2d(&tmap_o3, zb, c0, wrow0);
-                }
-              }
-              sm90::bulk_commit();
-            }
-            continue;
-          }
-          sm90::staged_pass<P>(p, fr, fc, lane, put, [&](int rl, unsigned off, int col) {
+          }, [&](int rl, unsigned off, int col) {
             const int s = wrow0 + rl, nc = n0 + col;
             if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
               if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
