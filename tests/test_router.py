@@ -623,10 +623,14 @@ def test_gpu_non_default_stream_and_allocator():
         made.append(a)
         return a
 
+    # the inputs are copied to the device on the current stream, which a non-blocking stream does not wait for: they
+    # must be complete before the work on s reads them
+    xd, dg = to_backend(x, "gpu"), cp.ones((500, 8), cp.float32)
+    cp.cuda.Device().synchronize()
     s = cp.cuda.Stream(non_blocking=True)
     with _array.allocator(alloc):
-        g, ids = rt.route_topk(to_backend(x, "gpu"), 8, stream=s)
-        dx = rt.route_topk_backward(cp.ones((500, 8), cp.float32), to_backend(x, "gpu"), ids, stream=s.ptr)
+        g, ids = rt.route_topk(xd, 8, stream=s)
+        dx = rt.route_topk_backward(dg, xd, ids, stream=s.ptr)
     s.synchronize()
     assert any(g is a for a in made) and any(ids is a for a in made) and any(dx is a for a in made)
     _, rids = ref.route_topk_forward(x, 8)
