@@ -360,10 +360,16 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
   wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 1>(p, tmap_a, tmap_b);
 }
 
-// The 2-CTA cluster form (CLUSTER = 2 above): grid a multiple of 2, every expert's m-tile count even.
+// The 2-CTA cluster form (CLUSTER = 2 above): grid a multiple of 2, every expert's m-tile count even. (Built for an
+// architecture without clusters, the CPU compile check's sm_80, it is the trapping stub without the cluster shape.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define BLZ_CLUSTER_DIMS_2
+#else
+#define BLZ_CLUSTER_DIMS_2 __cluster_dims__(2, 1, 1)
+#endif
 template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
           int STAGES>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90_x2(
+__global__ void BLZ_CLUSTER_DIMS_2 __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90_x2(
     const KGroupedArgs<T> p,
     const __grid_constant__ sm90::TmaMap tmap_a,
     const __grid_constant__ sm90::TmaMap tmap_b) {
