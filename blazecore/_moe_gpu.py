@@ -84,13 +84,6 @@ WGRAD_CLUSTERS = (1, 2)
 WGRAD_CLUSTER = 2
 
 
-def _wgrad_cluster() -> int:
-    v = os.environ.get("BLAZECORE_SM90_CLUSTER") or str(WGRAD_CLUSTER)
-    if v not in ("1", "2"):
-        raise ValueError(f"BLAZECORE_SM90_CLUSTER must be 1 or 2, got {v!r}")
-    return int(v)
-
-
 # Staging of gathered rows (sm_90a, weights by TMA): a GEMM whose gathered A rows (gemm1's x, the weight gradients'
 # x and dy) are read by many n-tiles has them copied into slot order once (moe_gather_rows, an (L*K, d) transient)
 # and then reads them by TMA like the slot-ordered A of gemm2 and dx; the copies of the in-kernel gather cost more
@@ -100,6 +93,25 @@ def _wgrad_cluster() -> int:
 STAGE_ROWS_MODES = ("auto", "always", "never")
 STAGE_ROWS = "auto"
 STAGE_MIN_TILES = 32
+
+
+def settings() -> dict:
+    """The sm_90a kernel settings the environment gives (each the module default where unset), validated:
+    b_load (BLAZECORE_SM90_B_LOAD, B_LOADS), out_store (BLAZECORE_SM90_OUT_STORE, OUT_STORES), stage_rows
+    (BLAZECORE_STAGE_ROWS, STAGE_ROWS_MODES) and wgrad_cluster (BLAZECORE_SM90_CLUSTER, WGRAD_CLUSTERS). A value
+    outside its list is a ValueError naming the variable and the list; the layer's entry points ask for them before
+    any kernel runs."""
+
+    def pick(var, default, allowed):
+        v = os.environ.get(var) or str(default)
+        if v not in allowed:
+            raise ValueError(f"{var} must be one of {allowed}, got {v!r}")
+        return v
+
+    return {"b_load": pick("BLAZECORE_SM90_B_LOAD", B_LOAD, B_LOADS),
+            "out_store": pick("BLAZECORE_SM90_OUT_STORE", OUT_STORE, OUT_STORES),
+            "stage_rows": pick("BLAZECORE_STAGE_ROWS", STAGE_ROWS, STAGE_ROWS_MODES),
+            "wgrad_cluster": int(pick("BLAZECORE_SM90_CLUSTER", WGRAD_CLUSTER, tuple(map(str, WGRAD_CLUSTERS))))}
 
 
 @dataclass(frozen=True)
@@ -310,9 +322,11 @@ class _Kernels:
         self.names = _module_names(self.ct, self.act, self.t)
         self.variants = _variants(self.act, self.t)
         self.gated = base in _GATED
-        self.b_load = b_load or os.environ.get("BLAZECORE_SM90_B_LOAD") or B_LOAD
+        st = settings()
+        self.b_load = b_load or st["b_load"]
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
+        self.out_store, self.stage_rows, self.wgrad_cluster = st["out_store"], st["stage_rows"], st["wgrad_cluster"]
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
         # arguments) (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run mma.sync)
@@ -365,11 +379,9 @@ def _ptr(a):
 
 def _stage_rows(kern, n_tiles: int) -> bool:
     """Whether the gathered rows that ``n_tiles`` output n-tiles read (over every launch that shares them) are staged
-    in slot order first (see STAGE_ROWS). A function of the shapes and the settings only, so a dry run (the memory
-    model) allocates what the real call does."""
-    mode = os.environ.get("BLAZECORE_STAGE_ROWS") or STAGE_ROWS
-    if mode not in STAGE_ROWS_MODES:
-        raise ValueError(f"BLAZECORE_STAGE_ROWS must be one of {STAGE_ROWS_MODES}, got {mode!r}")
+    in slot order first (see STAGE_ROWS; ``kern.stage_rows``). A function of the shapes and the settings only, so a dry
+    run (the memory model) allocates what the real call does."""
+    mode = kern.stage_rows
     if not (kern.sm90 and kern.b_load == "tma") or mode == "never":
         return False
     return mode == "always" or n_tiles >= STAGE_MIN_TILES
@@ -429,7 +441,7 @@ def _out_map(kern, role, out, ldo, N):
     """tmap_o of an M-grouped launch: the tensor map the EPI_ROWSCALE epilogue (gemm2, gemm2z, dx) stores ``out`` by
     (OUT_STORE "tma"), boxes of 64 columns x 16 rows, 128-byte swizzle; a null map where it cannot be made (the kernel
     then stores with 16-byte copies) and for the other epilogues."""
-    if os.environ.get("BLAZECORE_SM90_OUT_STORE", OUT_STORE) != "tma" or role not in _ROWSCALE:
+    if kern.out_store != "tma" or role not in _ROWSCALE:
         return _tma.null_map()
     m = _rows_map(kern, out, ldo, N, 16)
     return _tma.null_map() if m is None else m
@@ -494,7 +506,7 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         # 2-CTA clusters multicasting B: the CTAs of m-tiles 2j and 2j + 1 pair up where every expert has an even
         # number of m-tiles (the grid's grouped order then puts them side by side)
         # (the staged-row roles, A by TMA too, measured 2-3% slower so: one CTA a tile)
-        cluster = _wgrad_cluster() if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
+        cluster = kern.wgrad_cluster if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
@@ -1011,6 +1023,7 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
     """:func:`blazecore.moe.moe_forward` on validated CuPy views on the current device: y, the dispatch (or one
     per chunk), then :func:`forward`. Returns (y as the allocator gave it, :class:`MoESaved`)."""
     dev = x.device.id
+    settings()  # a bad setting is an error before any kernel runs (the dispatch build included)
     s = _array.current_stream(stream)
     with s:  # allocations (and their poison fills in tests) belong to the stream the kernels use
         y = _array.out_or_empty(out, (sz.L, sz.d), sz.dtype, True, "out")
@@ -1043,6 +1056,7 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
 def layer_backward(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, stream, retain) -> MoEGrads:
     """:func:`blazecore.moe.moe_backward` on a validated dy on the current device: the gradient buffers, then
     :func:`backward` over the forward's chunks."""
+    settings()  # a bad setting is an error before any kernel runs
     s = _array.current_stream(stream)
     with s:
         outs = grad_outs(saved, True, out_dx, out_dw13, out_dw2, out_dgates)

@@ -98,8 +98,10 @@ def _check(L, d, h, E, K, checkpoint, activation) -> tuple:
 @lru_cache(maxsize=4096)
 def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation: str, checkpoint: str, chunks: int,
              bias: tuple, block_tokens: int, arch: str, retain: bool, round_bytes: int,
-             act_in_operand: bool = False) -> MemoryTrace:
-    """Forward + backward of the layer's GPU path with placeholders for the inputs, under a recording allocator."""
+             act_in_operand: bool = False, kernel_settings: tuple = ()) -> MemoryTrace:
+    """Forward + backward of the layer's GPU path with placeholders for the inputs, under a recording allocator.
+    ``kernel_settings``: the environment's kernel settings (_moe_gpu.settings(), which decide e.g. whether rows are
+    staged), part of the cache key."""
     gated = activation_info(activation)
     R = 2 * h if gated else h
 
@@ -141,7 +143,7 @@ def moe_memory_trace(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16"
     chunk_bounds(L, chunks, block_tokens)  # validates chunks and block_tokens
     return _dry_run(L, d, h, E, K, dt, activation, checkpoint, int(chunks), (bool(bias[0]), bool(bias[1])),
                     int(block_tokens), "sm_90a" if sm90 else "sm_80", bool(retain), int(round_bytes),
-                    bool(act_in_operand))
+                    bool(act_in_operand), tuple(sorted(_moe_gpu.settings().items())))
 
 
 def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",

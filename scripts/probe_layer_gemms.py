@@ -18,9 +18,10 @@ import pathlib
 import statistics
 
 
-def measure(torch, ops, cupy, shape, L, reps) -> list:
-    from bench.bench_gemm import SHAPES, GemmTimer, _problem
-    from blazecore import _moe_gpu
+def layer_step(torch, ops, shape, L):
+    """One forward+backward of ``blazecore_torch.moe_ffn`` ("ab") on bench_gemm's problem of ``shape`` and L tokens,
+    as a function (returns the gradients)."""
+    from bench.bench_gemm import SHAPES, _problem
 
     d, h, E, K = SHAPES[shape]
     x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
@@ -31,15 +32,14 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
         y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
         return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
 
-    step()
-    torch.cuda.synchronize()
-    with GemmTimer() as timer:  # in the layer: median over the calls of each GEMM's summed launches
-        timer.on = True
-        for i in range(reps):
-            timer.call = i
-            step()
-        layer = timer.per_call()
-    # the launches of one more call, kept with their arguments (the tensors stay alive in `kept`)
+    return step
+
+
+def record_launches(step):
+    """Runs ``step`` once with every GEMM launcher of the core recording its calls: (the launches as (launcher, kern,
+    which, grid, stream, args, kwargs), what step returned, which keeps the tensors the launches use alive)."""
+    from blazecore import _moe_gpu
+
     origs = {name: getattr(_moe_gpu, name) for name in _moe_gpu.GEMM_LAUNCHERS}
     launches = []
 
@@ -56,6 +56,24 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
     finally:
         for name, orig in origs.items():
             setattr(_moe_gpu, name, orig)
+    return launches, kept
+
+
+def measure(torch, ops, cupy, shape, L, reps) -> list:
+    from bench.bench_gemm import GemmTimer
+    from blazecore import _moe_gpu
+
+    step = layer_step(torch, ops, shape, L)
+    step()
+    torch.cuda.synchronize()
+    with GemmTimer() as timer:  # in the layer: median over the calls of each GEMM's summed launches
+        timer.on = True
+        for i in range(reps):
+            timer.call = i
+            step()
+        layer = timer.per_call()
+    # the launches of one more call, kept with their arguments (the tensors stay alive in `kept`)
+    launches, kept = record_launches(step)
     torch.cuda.synchronize()
     stream = cupy.cuda.get_current_stream()
     replay: dict = {}
@@ -67,14 +85,14 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
             orig(kern, which, grid, st, *a, **kw)
             e1.record(stream)
             e1.synchronize()
-            key = "dhcur" if which == "dh" else which
+            key = "dhcur" if which == "dh" else _moe_gpu._STAGED.get(which, which)  # as GemmTimer keys it
             sums[key] = sums.get(key, 0.0) + cupy.cuda.get_elapsed_time(e0, e1)
         if i:  # the first pass warms
             for k, v in sums.items():
                 replay.setdefault(k, []).append(v)
     del kept
     for _orig, kern, which, grid, _st, _a, kw in launches:  # what each weight-gradient launch ran
-        if which in ("dw13", "dw2"):
+        if _moe_gpu._STAGED.get(which, which) in ("dw13", "dw2"):
             amap = _moe_gpu._rows_map(kern, kw["B"], kw["ldb"], kw["N"], 64)
             print(f"{shape} {which}: {kern.variant(which, b_load='tma' if amap is not None else 'cp_async').name} "
                   f"grid {grid} M {kw['M']} N {kw['N']} lda {kw['lda']} ldb {kw['ldb']} ldo {kw['ldo']} "

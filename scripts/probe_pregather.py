@@ -8,7 +8,8 @@ Records one forward+backward of ``blazecore_torch.moe_ffn`` ("ab"), then for eac
 ``--reps`` times each with CUDA events, and compares the outputs of (a) and (b) bit for bit where the launch does
 not rewrite its own input (every one but dh', which writes dz over z).
 
-Usage: PYTHONPATH=.:adapters python3 scripts/probe_pregather.py [--shapes olmoe,mixtral] [--tokens 32768]
+Usage: BLAZECORE_STAGE_ROWS=never PYTHONPATH=.:adapters python3 scripts/probe_pregather.py [--shapes olmoe,mixtral]
+[--tokens 32768] (with the layer's own staging on, the launches that already read staged rows are not probed)
 Prints a table and writes DIR/probe_pregather_<gpu>.json. Needs a Hopper GPU.
 """
 
@@ -93,36 +94,14 @@ def _probe_one(G, cupy, timed, shape, L, reps, orig, kern, which, grid, st, kw) 
 
 
 def measure(torch, ops, cupy, shape, L, reps) -> list:
-    from bench.bench_gemm import SHAPES, _problem
+    from probe_layer_gemms import layer_step, record_launches
+
     from blazecore import _moe_gpu as G
 
-    d, h, E, K = SHAPES[shape]
-    x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
-    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
-    disp = ops.build_dispatch(ids, E, validate=False)
-
-    def step():
-        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
-        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
-
+    step = layer_step(torch, ops, shape, L)
     step()
     torch.cuda.synchronize()
-    origs = {name: getattr(G, name) for name in G.GEMM_LAUNCHERS}
-    launches = []
-
-    def recorder(orig):
-        def record(kern, which, grid, stream, *a, **kw):
-            launches.append((orig, kern, which, grid, stream, kw))
-            return orig(kern, which, grid, stream, *a, **kw)
-        return record
-
-    for name, orig in origs.items():
-        setattr(G, name, recorder(orig))
-    try:
-        kept = step()
-    finally:
-        for name, orig in origs.items():
-            setattr(G, name, orig)
+    launches, kept = record_launches(step)
     torch.cuda.synchronize()
     stream = cupy.cuda.get_current_stream()
 
@@ -135,7 +114,7 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
         return cupy.cuda.get_elapsed_time(e0, e1)
 
     rows = []
-    for orig, kern, which, grid, st, kw in launches:
+    for orig, kern, which, grid, st, _a, kw in launches:
         if which in ("gemm1", "dhcur", "dw13", "dw2") and kw.get("carry") is None:
             rows.append(_probe_one(G, cupy, timed, shape, L, reps, orig, kern, which, grid, st, kw))
     del kept

@@ -609,3 +609,15 @@ def test_jax_ffn_chunks_gpu():
 
     for a, b in zip(run(1), run(3), strict=True):
         assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_model_follows_the_stage_rows_setting(monkeypatch):
+    """The model runs the layer as the environment's settings say (and caches the runs apart): on mixtral's widths
+    under "ab", staging dy's rows for dw2 (BLAZECORE_STAGE_ROWS auto) adds their (L*K, d) buffer to the backward's
+    peak; "never" stages nothing."""
+    L, (d, h, E, K) = 4096, MIXTRAL.values()
+    monkeypatch.setenv("BLAZECORE_STAGE_ROWS", "never")
+    never = memory.moe_memory(L, d, h, E, K, checkpoint="ab")
+    monkeypatch.setenv("BLAZECORE_STAGE_ROWS", "auto")
+    auto = memory.moe_memory(L, d, h, E, K, checkpoint="ab")
+    assert auto.peak_bytes - never.peak_bytes == L * K * d * 2

@@ -158,6 +158,22 @@ def _bytes(a) -> bytes:
     return b"" if a is None else np.ascontiguousarray(to_numpy(a)).tobytes()
 
 
+def _paths_agree(select, paths, dev, inp, exp, activation, checkpoint, **kw) -> None:
+    """The layer once per kernel path (``select(path)`` picks it): each run matches the reference (bf16) and every
+    run has the first one's bits in y and in every gradient."""
+    runs = {}
+    for path in paths:
+        select(path)
+        y, _, grads = _run(dev, activation, checkpoint, **kw)
+        _check_against(y, grads, inp, exp, TOL[BF16], f"{path} {checkpoint} {kw} ")
+        runs[path] = (y, grads)
+    y0, g0 = runs[paths[0]]
+    for path, (y1, g1) in runs.items():
+        assert _bytes(y0) == _bytes(y1), f"{path} {checkpoint} {kw} y"
+        for key in GRAD_KEYS:
+            assert _bytes(getattr(g0, key)) == _bytes(getattr(g1, key)), f"{path} {checkpoint} {kw} {key}"
+
+
 # ---------------------------------------------------------------------------------------------
 # The reference itself
 # ---------------------------------------------------------------------------------------------
@@ -485,16 +501,8 @@ def test_sm90_b_load_paths_bit_identical_gpu(case, activation, monkeypatch):
     dev = _on(inp, "gpu")
     exp = _reference(inp, activation, "gpu")
     for checkpoint in ("ab", "none"):
-        runs = {}
-        for b_load in _moe_gpu.B_LOADS:
-            monkeypatch.setattr(_moe_gpu, "B_LOAD", b_load)
-            y, _, grads = _run(dev, activation, checkpoint)
-            _check_against(y, grads, inp, exp, TOL[BF16], f"{b_load} {checkpoint} ")
-            runs[b_load] = (y, grads)
-        (y0, g0), (y1, g1) = runs.values()
-        assert _bytes(y0) == _bytes(y1), f"{checkpoint} y"
-        for key in GRAD_KEYS:
-            assert _bytes(getattr(g0, key)) == _bytes(getattr(g1, key)), f"{checkpoint} {key}"
+        _paths_agree(lambda b_load: monkeypatch.setattr(_moe_gpu, "B_LOAD", b_load), _moe_gpu.B_LOADS, dev, inp, exp,
+                     activation, checkpoint)
 
 
 @pytest.mark.gpu
@@ -512,34 +520,42 @@ def test_sm90_staged_rows_bit_identical_gpu(case, activation, monkeypatch):
     dev = _on(inp, "gpu")
     exp = _reference(inp, activation, "gpu")
     for checkpoint, kw in (("ab", {}), ("none", {}), ("ab", {"chunks": 3}), ("ab", {"block_tokens": 8})):
-        runs = {}
-        for mode in ("never", "always"):
-            monkeypatch.setenv("BLAZECORE_STAGE_ROWS", mode)
-            y, _, grads = _run(dev, activation, checkpoint, **kw)
-            _check_against(y, grads, inp, exp, TOL[BF16], f"{mode} {checkpoint} {kw} ")
-            runs[mode] = (y, grads)
-        (y0, g0), (y1, g1) = runs.values()
-        assert _bytes(y0) == _bytes(y1), f"{checkpoint} {kw} y"
-        for key in GRAD_KEYS:
-            assert _bytes(getattr(g0, key)) == _bytes(getattr(g1, key)), f"{checkpoint} {kw} {key}"
+        _paths_agree(lambda mode: monkeypatch.setenv("BLAZECORE_STAGE_ROWS", mode), ("never", "always"), dev, inp,
+                     exp, activation, checkpoint, **kw)
 
 
-def test_stage_rows_setting_is_checked(monkeypatch):
-    """BLAZECORE_STAGE_ROWS is one of _moe_gpu.STAGE_ROWS_MODES; anything else is a ValueError naming them (asked for
-    by the launchers of an sm_90a layer; checked here on the policy function with a stand-in for its kernels)."""
+@pytest.mark.parametrize("var", ["BLAZECORE_SM90_B_LOAD", "BLAZECORE_SM90_OUT_STORE", "BLAZECORE_STAGE_ROWS",
+                                 "BLAZECORE_SM90_CLUSTER"])
+def test_kernel_settings_are_checked_at_entry(var, monkeypatch):
+    """Each sm_90a kernel setting of the environment outside its list is a ValueError naming the variable, raised by
+    the layer's entry before anything is allocated or launched: shown on the layer's GPU path run dry (the memory
+    model), which enters the same way."""
+    from blazecore import _moe_gpu, memory
+
+    L = 61 + len(var)  # a shape of this test's own (the model caches its dry runs)
+    monkeypatch.setenv(var, "sometimes")
+    with pytest.raises(ValueError, match=f"{var} must be one of"):
+        _moe_gpu.settings()
+    with pytest.raises(ValueError, match=f"{var} must be one of"):
+        memory.moe_memory(L, 32, 16, 4, 2)
+    monkeypatch.delenv(var)
+    assert memory.moe_memory(L, 32, 16, 4, 2).peak_bytes > 0
+
+
+def test_stage_rows_policy():
+    """_stage_rows: "auto" stages the rows that STAGE_MIN_TILES or more n-tiles read, "always" any, "never" none; only
+    on the sm_90a path with the weights by TMA (stand-ins for the kernels)."""
     from blazecore import _moe_gpu
 
-    kern = types.SimpleNamespace(sm90=True, b_load="tma")
-    monkeypatch.setenv("BLAZECORE_STAGE_ROWS", "sometimes")
-    with pytest.raises(ValueError, match="BLAZECORE_STAGE_ROWS must be one of"):
-        _moe_gpu._stage_rows(kern, 64)
-    monkeypatch.setenv("BLAZECORE_STAGE_ROWS", "auto")
-    assert _moe_gpu._stage_rows(kern, _moe_gpu.STAGE_MIN_TILES)
-    assert not _moe_gpu._stage_rows(kern, _moe_gpu.STAGE_MIN_TILES - 1)
-    assert not _moe_gpu._stage_rows(types.SimpleNamespace(sm90=True, b_load="cp_async"), 1000)
-    monkeypatch.setenv("BLAZECORE_STAGE_ROWS", "always")
-    assert _moe_gpu._stage_rows(kern, 1)
-    assert not _moe_gpu._stage_rows(types.SimpleNamespace(sm90=False, b_load="tma"), 1000)
+    def kern(mode, sm90=True, b_load="tma"):
+        return types.SimpleNamespace(sm90=sm90, b_load=b_load, stage_rows=mode)
+
+    assert _moe_gpu._stage_rows(kern("auto"), _moe_gpu.STAGE_MIN_TILES)
+    assert not _moe_gpu._stage_rows(kern("auto"), _moe_gpu.STAGE_MIN_TILES - 1)
+    assert not _moe_gpu._stage_rows(kern("auto", b_load="cp_async"), 1000)
+    assert _moe_gpu._stage_rows(kern("always"), 1)
+    assert not _moe_gpu._stage_rows(kern("always", sm90=False), 1000)
+    assert not _moe_gpu._stage_rows(kern("never"), 1000)
 
 
 @pytest.mark.parametrize("backend", backends())
