@@ -54,8 +54,15 @@ constexpr float OAI_ALPHA = 1.702f, OAI_LIMIT = 7.f;
 __host__ __device__ constexpr bool act_gated(int act) { return act == SWIGLU || act == GEGLU || act == SWIGLU_OAI; }
 
 // Fast-path sigmoid: ex2.approx-based exp and an approximate reciprocal (a few ulp in fp32, far inside the
-// bf16 / fp16 outputs' rounding; x -> -inf gives 1 / inf = 0, x -> +inf gives 1).
-__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// bf16 / fp16 outputs' rounding; x -> -inf gives 1 / inf = 0, x -> +inf gives 1). The exp flushes results below
+// 2^-126 to zero (.ftz): __expf's fix-up for them (three more instructions an exp) cannot change 1 + exp, so the
+// values are __expf's bit for bit.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + ex2_ftz(x * -1.4426950408889634f)); }
 
 // gelu with the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 __device__ __forceinline__ float gelu_tanh(float x) {

@@ -382,8 +382,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       };
       // A_ACT: the A registers are rewritten every k-tile, so each k-tile's wgmmas finish before the next is read
       // (the other consumer warpgroup's wgmmas overlap this one's activation math)
-      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, A_ACT ? 0 : 1>(
-          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue);
+      // keep_acc: the reduction is never empty here (num_kt >= 1), so the accumulators need no zero-fill path (it
+      // would cost a select per accumulator a tile)
+      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, A_ACT ? 0 : 1, sm90::NoPrep, !(A_TMA && B_TMA)>(
+          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
 
       // ---- epilogues (same math as moe_gemm; fragment walk from the wgmma layout) --------------------
 #if BLZ_PROBE_EPI == 2
@@ -407,6 +409,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         T* hout = p.store_h ? out : nullptr;
         T* zout = p.store_z ? out2 : nullptr;
         const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
+        auto passes = [&](auto has_bias) {  // with and without a bias (sm90::BoolC)
 #pragma unroll
         for (int p = 0; p < NC / P; ++p) {
           sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
@@ -414,8 +417,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               constexpr int UP = BN / 16;  // column groups between a gate column and its up column
               float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
               float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
-              sm90::add_bias2(be, n0 + c, N, a0, a1);
-              sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1);
+              sm90::add_bias2(be, n0 + c, N, a0, a1, has_bias);
+              sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1, has_bias);
               // hcur from z as stored (rounded to T), as the A_ACT second GEMM and the backward recompute it
               const unsigned zav = sm90::pack2<T>(a0, a1), zbv = sm90::pack2<T>(b0, b1);
               const float2 ar = sm90::unpack2<T>(zav), br = sm90::unpack2<T>(zbv);
@@ -424,7 +427,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               sm90::st_shared_u32(zb + off, zbv);
             } else {
               float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
-              sm90::add_bias2(be, n0 + c, N, z0, z1);
+              sm90::add_bias2(be, n0 + c, N, z0, z1, has_bias);
               const unsigned zv = sm90::pack2<T>(z0, z1);
               const float2 zr = sm90::unpack2<T>(zv);
               sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
@@ -442,6 +445,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             }
           });
         }
+        };
+        if (be) passes(sm90::BoolC<true>{}); else passes(sm90::BoolC<false>{});
       } else if constexpr (EPI == EPI_ROWSCALE) {
         // (acc + bias) * gate, in passes of P = 64 columns through the two 2 KB halves of the warp's staging in turn
         // (16 rows of 128 bytes, the 128-byte swizzle). With out's tensor map (tmap_o: 2-D (N, rows of out), box
@@ -458,6 +463,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           gs[h] = (gates && s < m_end) ? slot_gate(gates, slot_token, slot_k, topk, s) : 1.f;
         }
         const bool tma_rows = o_map && wrow0 + 16 <= m_end;  // warp-uniform
+        auto passes = [&](auto has_bias) {  // with and without a bias (sm90::BoolC)
 #pragma unroll
         for (int p = 0; p < BN / P; ++p) {
           const unsigned buf = ep + (p & 1) * HALF;
@@ -467,7 +473,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           }
           auto put = [&](int h, int j, int c, unsigned off) {
             float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
-            sm90::add_bias2(be, n0 + c, N, o0, o1);
+            sm90::add_bias2(be, n0 + c, N, o0, o1, has_bias);
             sm90::st_shared_u32(buf + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
           };
           if (tma_rows) {
@@ -486,6 +492,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             });
           }
         }
+        };
+        if (be) passes(sm90::BoolC<true>{}); else passes(sm90::BoolC<false>{});
       } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
         // The z rows are read and dz / g*hcur written through the (idle) stage ring with 16-byte row
         // copies: each warp stages its 16 rows x BN columns of z-gate, z-up and hg (3 x 8 KB at BN 256; 8 warps

@@ -145,7 +145,8 @@ __device__ __forceinline__ void consumer_bar_sync() {
 }
 template <typename T> __device__ __forceinline__ float2 unpack2(unsigned v);
 template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  // a bf16 is the top half of its fp32: one shift or mask each (the intrinsic spends two permutes more a pair)
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
 template <> __device__ __forceinline__ float2 unpack2<__half>(unsigned v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
@@ -186,10 +187,16 @@ __device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put
   for (int i = 0; i < 16 / RPI; ++i) copy(RPI * i + ro, stage_off<PCPR>(RPI * i + ro, co), p * P + co * 8);
   __syncwarp();
 }
-// v0, v1 += the bias columns col, col + 1 (be: the expert's bias row; none, or col >= n: unchanged)
-template <typename T>
-__device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0, float& v1) {
-  if (be && col < n) {
+// A compile-time bool as a value: an epilogue written once as a generic lambda runs as two instantiations, e.g.
+// with and without a bias, so the one without carries no per-element test or load.
+template <bool V> struct BoolC {
+  static constexpr bool value = V;
+};
+// v0, v1 += the bias columns col, col + 1 (be: the expert's bias row; none, or col >= n: unchanged); HAS = false:
+// the caller knows there is none
+template <typename T, bool HAS = true>
+__device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0, float& v1, BoolC<HAS> = {}) {
+  if (HAS && be && col < n) {
     float x0, x1;
     load2<T>(be + col, x0, x1);
     v0 += x0;
@@ -205,10 +212,12 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // empty barriers of the other CTA of a 2-CTA cluster, released too (its producer multicasts into this CTA's stages).
 // prep(stage byte offset >> 4, kt), when given, runs after the stage's wait and before the wgmma fence: shared-memory
 // fix-ups of the stage (it orders them before the wgmmas itself).
+// GENERIC_WRITES = false: only the tensor copy engine writes the stages (A and B by TMA), an async-proxy write
+// the wgmmas read with no proxy fence.
 struct NoPrep {
   __device__ __forceinline__ void operator()(unsigned long long, int) const {}
 };
-template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep>
+template <int STAGES, int R, class F, int INFLIGHT = 1, class P = NoPrep, bool GENERIC_WRITES = true>
 __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full0, unsigned empty0, int num_kt,
                                                   int t, int stage_bytes, int& stage, unsigned& phase, F&& issue,
                                                   bool keep_acc = false, P&& prep = P(), unsigned peer_empty0 = 0) {
@@ -216,7 +225,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[R], unsigned full
   for (int kt = 0; kt < num_kt; ++kt) {
     mbar_wait(full0 + 8 * stage, phase);
 #if !BLZ_SM90_PRODUCER_FENCE
-    fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
+    if constexpr (GENERIC_WRITES) fence_proxy_async_smem();  // generic-proxy cp.async writes -> async-proxy wgmma reads
 #endif
     prep(static_cast<unsigned long long>(static_cast<unsigned>(stage * stage_bytes) >> 4), kt);
     fence_regs(acc);
