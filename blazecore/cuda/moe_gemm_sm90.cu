@@ -13,8 +13,8 @@
 //                   STAGES-deep ring of shared-memory stages; each copy lands at its 128-byte-swizzle
 //                   position, and cp.async.mbarrier.arrive.noinc signals the stage's "full" barrier when
 //                   the thread's copies have landed (the tensor copy engine cannot gather rows on sm_90).
-//   warpgroups 1, 2 consumers: tile rows [64 (w-1), 64 w); wait "full", fence.proxy.async (the copies are
-//                   generic-proxy writes, wgmma reads through the async proxy), 4 x wgmma m64nBNk16 per
+//   warpgroups 1, 2 consumers: tile rows [64 (w-1), 64 w); wait "full", fence.proxy.async where cp.async writes
+//                   the stage (generic-proxy writes, wgmma reads through the async proxy), 4 x wgmma m64nBNk16 per
 //                   64-wide k-tile, commit, wait_group 1, then release the previous stage ("empty").
 //   setmaxnreg moves registers from the producer to the consumers (BN/2 fp32 accumulators per thread).
 // Proxy fence: a generic-proxy write and an async-proxy read of the same bytes are ordered when a
@@ -411,40 +411,40 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const unsigned hs = ep, za = ep + ARR, zb = ep + 2 * ARR;  // zb: gated only
         auto passes = [&](auto has_bias) {  // with and without a bias (sm90::BoolC)
 #pragma unroll
-        for (int p = 0; p < NC / P; ++p) {
-          sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
-            if constexpr (GATED) {
-              constexpr int UP = BN / 16;  // column groups between a gate column and its up column
-              float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
-              float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
-              sm90::add_bias2(be, n0 + c, N, a0, a1, has_bias);
-              sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1, has_bias);
-              // hcur from z as stored (rounded to T), as the A_ACT second GEMM and the backward recompute it
-              const unsigned zav = sm90::pack2<T>(a0, a1), zbv = sm90::pack2<T>(b0, b1);
-              const float2 ar = sm90::unpack2<T>(zav), br = sm90::unpack2<T>(zbv);
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(ar.x, br.x), gated_f<ACT>(ar.y, br.y)));
-              sm90::st_shared_u32(za + off, zav);
-              sm90::st_shared_u32(zb + off, zbv);
-            } else {
-              float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
-              sm90::add_bias2(be, n0 + c, N, z0, z1, has_bias);
-              const unsigned zv = sm90::pack2<T>(z0, z1);
-              const float2 zr = sm90::unpack2<T>(zv);
-              sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
-              sm90::st_shared_u32(za + off, zv);
-            }
-          }, [&](int rl, unsigned off, int col) {
-            const int s = wrow0 + rl, nc = n0 + col;
-            if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
-              if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
-              if (zout) {
-                T* zr = zout + (long long)s * ldo2 + nc;
-                *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
-                if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
+          for (int p = 0; p < NC / P; ++p) {
+            sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+              if constexpr (GATED) {
+                constexpr int UP = BN / 16;  // column groups between a gate column and its up column
+                float a0 = acc[sm90::acc_reg(j, h)], a1 = acc[sm90::acc_reg(j, h) + 1];
+                float b0 = acc[sm90::acc_reg(j + UP, h)], b1 = acc[sm90::acc_reg(j + UP, h) + 1];
+                sm90::add_bias2(be, n0 + c, N, a0, a1, has_bias);
+                sm90::add_bias2(be ? be + bup : be, n0 + c, N, b0, b1, has_bias);
+                // hcur from z as stored (rounded to T), as the A_ACT second GEMM and the backward recompute it
+                const unsigned zav = sm90::pack2<T>(a0, a1), zbv = sm90::pack2<T>(b0, b1);
+                const float2 ar = sm90::unpack2<T>(zav), br = sm90::unpack2<T>(zbv);
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(gated_f<ACT>(ar.x, br.x), gated_f<ACT>(ar.y, br.y)));
+                sm90::st_shared_u32(za + off, zav);
+                sm90::st_shared_u32(zb + off, zbv);
+              } else {
+                float z0 = acc[sm90::acc_reg(j, h)], z1 = acc[sm90::acc_reg(j, h) + 1];
+                sm90::add_bias2(be, n0 + c, N, z0, z1, has_bias);
+                const unsigned zv = sm90::pack2<T>(z0, z1);
+                const float2 zr = sm90::unpack2<T>(zv);
+                sm90::st_shared_u32(hs + off, sm90::pack2<T>(act_f<ACT>(zr.x), act_f<ACT>(zr.y)));
+                sm90::st_shared_u32(za + off, zv);
               }
-            }
-          });
-        }
+            }, [&](int rl, unsigned off, int col) {
+              const int s = wrow0 + rl, nc = n0 + col;
+              if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
+                if (hout) *reinterpret_cast<uint4*>(hout + (long long)s * ldo + nc) = sm90::ld_shared_v4(hs + off);
+                if (zout) {
+                  T* zr = zout + (long long)s * ldo2 + nc;
+                  *reinterpret_cast<uint4*>(zr) = sm90::ld_shared_v4(za + off);
+                  if constexpr (GATED) *reinterpret_cast<uint4*>(zr + N) = sm90::ld_shared_v4(zb + off);
+                }
+              }
+            });
+          }
         };
         if (be) passes(sm90::BoolC<true>{}); else passes(sm90::BoolC<false>{});
       } else if constexpr (EPI == EPI_ROWSCALE) {
@@ -465,33 +465,33 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const bool tma_rows = o_map && wrow0 + 16 <= m_end;  // warp-uniform
         auto passes = [&](auto has_bias) {  // with and without a bias (sm90::BoolC)
 #pragma unroll
-        for (int p = 0; p < BN / P; ++p) {
-          const unsigned buf = ep + (p & 1) * HALF;
-          if (o_map) {  // the store that last read this half (two passes back) is done reading it
-            if (lane == 0) sm90::bulk_wait_read<1>();
-            __syncwarp();
-          }
-          auto put = [&](int h, int j, int c, unsigned off) {
-            float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
-            sm90::add_bias2(be, n0 + c, N, o0, o1, has_bias);
-            sm90::st_shared_u32(buf + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
-          };
-          if (tma_rows) {
-            sm90::staged_put<P>(p, fr, fc, put);
-            sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
-            __syncwarp();
-            if (lane == 0) {
-              if (n0 + p * P < N && !BLZ_PROBE_EPI) sm90::tma_store_2d(&tmap_o, buf, n0 + p * P, wrow0);
-              sm90::bulk_commit();
+          for (int p = 0; p < BN / P; ++p) {
+            const unsigned buf = ep + (p & 1) * HALF;
+            if (o_map) {  // the store that last read this half (two passes back) is done reading it
+              if (lane == 0) sm90::bulk_wait_read<1>();
+              __syncwarp();
             }
-          } else {
-            sm90::staged_pass<P>(p, fr, fc, lane, put, [&](int rl, unsigned off, int col) {
-              const int s = wrow0 + rl, nc = n0 + col;
-              if (s < m_end && nc < N && !BLZ_PROBE_EPI)
-                *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(buf + off);
-            });
+            auto put = [&](int h, int j, int c, unsigned off) {
+              float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
+              sm90::add_bias2(be, n0 + c, N, o0, o1, has_bias);
+              sm90::st_shared_u32(buf + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+            };
+            if (tma_rows) {
+              sm90::staged_put<P>(p, fr, fc, put);
+              sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
+              __syncwarp();
+              if (lane == 0) {
+                if (n0 + p * P < N && !BLZ_PROBE_EPI) sm90::tma_store_2d(&tmap_o, buf, n0 + p * P, wrow0);
+                sm90::bulk_commit();
+              }
+            } else {
+              sm90::staged_pass<P>(p, fr, fc, lane, put, [&](int rl, unsigned off, int col) {
+                const int s = wrow0 + rl, nc = n0 + col;
+                if (s < m_end && nc < N && !BLZ_PROBE_EPI)
+                  *reinterpret_cast<uint4*>(out + (long long)s * ldo + nc) = sm90::ld_shared_v4(buf + off);
+              });
+            }
           }
-        }
         };
         if (be) passes(sm90::BoolC<true>{}); else passes(sm90::BoolC<false>{});
       } else {  // EPI_DHCUR: acc = dh' = dy_t w2_e (columns of h); out = dz (may alias aux = z), out2 = g * hcur
