@@ -130,6 +130,15 @@ def _pick_layout(torch, gmm, candidates: dict, offs):
     return best[1], best[2]
 
 
+def pregathered(torch, x, dy, ids, E):
+    """(offs, x rows, dy rows) in expert order: grouped_mm's group ends and the operands gathered by slot."""
+    K = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    tok = torch.argsort(flat, stable=True) // K
+    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+    return offs, x[tok].contiguous(), dy[tok].contiguous()
+
+
 def grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats) -> dict:
     """{gemm: (Timing, layout)} of torch._grouped_mm on the pre-gathered problem."""
     L, d = x.shape
@@ -137,11 +146,7 @@ def grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats) -> d
     h = R // 2
     K = ids.shape[1]
     gmm = torch._grouped_mm
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    tok = order // K
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
-    xg, dyg = x[tok].contiguous(), dy[tok].contiguous()
+    offs, xg, dyg = pregathered(torch, x, dy, ids, E)
     gen = torch.Generator(device="cuda").manual_seed(1)
     out = {}
 

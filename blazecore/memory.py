@@ -49,7 +49,8 @@ class MemoryEstimate:
     peak_bytes: the most allocated at once (forward or backward); held_bytes: what the forward keeps for the
     backward (dispatch and saved pre-activations, as ``MoESaved.held_bytes``); forward_peak_bytes and
     backward_peak_bytes: the two phases' peaks (y stays alive through the backward); chunks: the chunk count
-    that runs (chunk_bounds may run fewer than asked); chunk_tokens: tokens of the largest chunk.
+    that runs (chunk_bounds may run fewer than asked); chunk_tokens: tokens of the largest chunk; gradient_bytes:
+    what the backward returns (dx, dw13, dw2, dgates, the bias gradients), part of backward_peak_bytes.
     """
 
     peak_bytes: int
@@ -59,6 +60,7 @@ class MemoryEstimate:
     chunks: int
     chunk_tokens: int
     checkpoint: str
+    gradient_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,11 +124,12 @@ def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation
         held = run.live - run.rounded(y.nbytes)  # the dispatch and the saved pre-activations
         grads = _moe_gpu.layer_backward(dy, saved, None, None, None, None, None, retain)
         backward_peak = run.peak  # includes the forward's (monotone), as the peak a pool reports after both
+        grad_bytes = sum(run.rounded(g.nbytes) for g in grads if g is not None)
         events = tuple(run.events)
         del y, saved, grads
     bounds = chunk_bounds(L, chunks, block_tokens)
     est = MemoryEstimate(max(forward_peak, backward_peak), held, forward_peak, backward_peak, len(bounds),
-                         max(t1 - t0 for t0, t1 in bounds), checkpoint)
+                         max(t1 - t0 for t0, t1 in bounds), checkpoint, grad_bytes)
     return MemoryTrace(est, events, forward_events, round_bytes)
 
 
@@ -174,6 +177,25 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
     return moe_memory_trace(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
                             bias=bias, block_tokens=block_tokens, sm90=sm90, retain=retain,
                             act_in_operand=act_in_operand).estimate
+
+
+def act_in_operand_lowers_peak(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16",
+                               activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1,
+                               bias: tuple[bool, bool] = (False, False), block_tokens: int = BLOCK_TOKENS) -> bool:
+    """Whether ``moe_forward(act_in_operand=True)`` lowers the peak of a call whose framework allocates the
+    gradients before the forward runs (XLA allocates a computation's outputs up front): such a call holds
+    max(forward peak + gradients, backward peak), and ``act_in_operand`` lowers only the forward's peak. False where
+    the backward's peak is the larger either way (then the faster second GEMM, on stored activations, costs no peak).
+    Arguments as :func:`moe_memory`."""
+    if checkpoint != "ab":
+        return False
+
+    def held(act_in_operand: bool) -> int:
+        est = moe_memory(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
+                         bias=bias, block_tokens=block_tokens, act_in_operand=act_in_operand)
+        return max(est.forward_peak_bytes + est.gradient_bytes, est.backward_peak_bytes)
+
+    return held(True) < held(False)
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,13 @@ def main(argv=None) -> int:
     import torch
     from probe_layer_gemms import layer_step
 
-    from bench.bench_gemm import SHAPES, _problem
+    from bench.bench_gemm import SHAPES, _problem, pregathered
 
     d, h, E, K = SHAPES[args.shape]
     L = args.tokens
     step = layer_step(torch, ops, args.shape, L)
     x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
-    flat = ids.reshape(-1).long()
-    tok = torch.argsort(flat, stable=True) // K
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
-    xg, dyg = x[tok].contiguous(), dy[tok].contiguous()
+    offs, xg, dyg = pregathered(torch, x, dy, ids, E)
     g = torch.Generator(device="cuda").manual_seed(1)
 
     def rnd(*shape):

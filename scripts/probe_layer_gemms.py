@@ -108,10 +108,12 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def probe_main(name: str, doc: str, measure_fn, default_shapes: str, argv=None) -> int:
+    """The command line the layer probes share: --out, --shapes, --tokens, --reps; rows of ``measure_fn(torch, ops,
+    cupy, shape, L, reps)`` for every shape, written to DIR/<name>_<gpu>.json under bench/_common's header."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--shapes", default="olmoe,mixtral")
+    ap.add_argument("--shapes", default=default_shapes)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
@@ -124,12 +126,16 @@ def main(argv=None) -> int:
 
     rows = []
     for shape in args.shapes.split(","):
-        rows += measure(torch, ops, cupy, shape, args.tokens, args.reps)
+        rows += measure_fn(torch, ops, cupy, shape, args.tokens, args.reps)
         torch.cuda.empty_cache()
     header = common.gpu_header()
-    header.update(bench="probe_layer_gemms", tokens=args.tokens, reps=args.reps)
-    print(f"wrote {common.write_json('probe_layer_gemms', header, rows, results_dir=pathlib.Path(args.out))}")
+    header.update(bench=name, tokens=args.tokens, reps=args.reps)
+    print(f"wrote {common.write_json(name, header, rows, results_dir=pathlib.Path(args.out))}")
     return 0
+
+
+def main(argv=None) -> int:
+    return probe_main("probe_layer_gemms", __doc__, measure, "olmoe,mixtral", argv)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ Prints a table and writes DIR/probe_pregather_<gpu>.json. Needs a Hopper GPU.
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import pathlib
 import statistics
 
 
@@ -122,27 +120,9 @@ def measure(torch, ops, cupy, shape, L, reps) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--shapes", default="olmoe,qwen3,fine,mixtral")
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args(argv)
+    from probe_layer_gemms import probe_main
 
-    import blazecore_torch as ops
-    import cupy
-    import torch
-
-    from bench import _common as common
-
-    rows = []
-    for shape in args.shapes.split(","):
-        rows += measure(torch, ops, cupy, shape, args.tokens, args.reps)
-        torch.cuda.empty_cache()
-    header = common.gpu_header()
-    header.update(bench="probe_pregather", tokens=args.tokens, reps=args.reps)
-    print(f"wrote {common.write_json('probe_pregather', header, rows, results_dir=pathlib.Path(args.out))}")
-    return 0
+    return probe_main("probe_pregather", __doc__, measure, "olmoe,qwen3,fine,mixtral", argv)
 
 
 if __name__ == "__main__":

@@ -177,29 +177,10 @@ def test_forward_backward_ops_and_saved_ab():
     np.testing.assert_array_equal(np.asarray(g.dw13), np.asarray(g2.dw13))
 
 
-@pytest.mark.parametrize("shape,lowers", [((32768, 2048, 1024, 64, 8), False), ((32768, 4096, 14336, 8, 2), True)],
-                         ids=["h<=d", "h>>d"])
-def test_act_in_operand_only_where_it_lowers_the_peak(shape, lowers):
-    """The forward activates z in the second GEMM (act_in_operand) only where the memory model predicts a lower peak
-    for the call: XLA holds the gradients from the start, so the call holds max(forward peak + gradients, backward
-    peak). With h <= d and many experts (olmoe) the backward's peak is the larger either way; with h >> d (mixtral)
-    the forward's (L*K, h) activations set the peak."""
+def test_forward_passes_the_act_in_operand_choice(monkeypatch):
+    """The forward op hands the core blazecore.memory.act_in_operand_lowers_peak's choice for its shapes and policy."""
     from blazecore import memory
 
-    L, d, h, E, K = shape
-    bf16 = np.dtype(jnp.bfloat16)
-    grads = (L * d + E * 2 * h * d + E * d * h) * 2 + L * K * 4
-    held = {}
-    for aio in (False, True):
-        est = memory.moe_memory(L, d, h, E, K, act_in_operand=aio)
-        held[aio] = max(est.forward_peak_bytes + grads, est.backward_peak_bytes)
-    assert (held[True] < held[False]) is lowers
-    assert ops._act_in_operand(L, d, h, E, K, 2 * h, bf16, "swiglu", "ab", 1, (False, False)) is lowers
-    assert ops._act_in_operand(L, d, h, E, K, 2 * h, bf16, "swiglu", "none", 1, (False, False)) is False
-
-
-def test_forward_passes_the_act_in_operand_choice(monkeypatch):
-    """The forward op hands the core the choice of _act_in_operand for its shapes and policy."""
     seen = []
     orig = ops.blazecore.moe_forward
 
@@ -211,13 +192,13 @@ def test_forward_passes_the_act_in_operand_choice(monkeypatch):
     D = _data(L=64, d=16, h=64)
     disp = ops.build_dispatch(D["ids"], 6)
     L, K = D["ids"].shape
-    d, R, h = D["x"].shape[1], D["w13"].shape[1], D["w2"].shape[2]
+    d, h = D["x"].shape[1], D["w2"].shape[2]
     for dt in (jnp.float32, jnp.bfloat16):
         x, w13, w2 = (D[k].astype(dt) for k in ("x", "w13", "w2"))
         for checkpoint in ("ab", "none"):
             ops.moe_forward(x, w13, w2, D["gates"], D["ids"], disp, checkpoint=checkpoint)
-            assert seen[-1] is ops._act_in_operand(L, d, h, 6, K, R, np.dtype(dt), "swiglu", checkpoint, 1,
-                                                   (False, False))
+            assert seen[-1] is memory.act_in_operand_lowers_peak(L, d, h, 6, K, dtype=np.dtype(dt).name,
+                                                                 checkpoint=checkpoint)
     # float32 runs the mma.sync kernels (no act_in_operand there); bf16 "ab" with h >> d: the forward's activations
     # would set the peak
     assert seen == [False, False, True, False]

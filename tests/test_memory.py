@@ -116,6 +116,34 @@ def test_cpu_chunked_matches_unchunked_and_ab_layout():
 OLMOE = dict(d=2048, h=1024, E=64, K=8)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gradient_bytes(bias):
+    """The estimate's gradient_bytes: dx, dw13, dw2, dgates and the bias gradients, in the pools' 512-byte blocks."""
+    L, d, h, E, K, b = 1000, 96, 80, 6, 2, 2
+    R = 2 * h
+    est = memory.moe_memory(L, d, h, E, K, bias=(bias, bias))
+    grads = [L * d * b, E * R * d * b, E * d * h * b, 4 * L * K] + ([E * R * b, E * d * b] if bias else [])
+    assert est.gradient_bytes == sum(-(-g // 512) * 512 for g in grads)
+
+
+@pytest.mark.parametrize("shape,lowers", [((32768, 2048, 1024, 64, 8), False), ((32768, 4096, 14336, 8, 2), True)],
+                         ids=["h<=d", "h>>d"])
+def test_act_in_operand_lowers_peak(shape, lowers):
+    """With the gradients allocated before the forward (XLA), a call holds max(forward peak + gradients, backward
+    peak). With h <= d and many experts (olmoe) the backward's peak is the larger either way; with h >> d (mixtral)
+    the forward's (L*K, h) activations set the peak, and act_in_operand removes them."""
+    L, d, h, E, K = shape
+    grads = (L * d + E * 2 * h * d + E * d * h) * 2 + L * K * 4  # closed form, independent of the dry run
+    held = {}
+    for aio in (False, True):
+        est = memory.moe_memory(L, d, h, E, K, act_in_operand=aio)
+        held[aio] = max(est.forward_peak_bytes + grads, est.backward_peak_bytes)
+    assert (held[True] < held[False]) is lowers
+    assert memory.act_in_operand_lowers_peak(L, d, h, E, K) is lowers
+    assert memory.act_in_operand_lowers_peak(L, d, h, E, K, checkpoint="none") is False
+    assert memory.act_in_operand_lowers_peak(L, d, h, E, K, dtype="float32") is False  # fp32: mma.sync, no A_ACT
+
+
 @pytest.mark.parametrize("act_in_operand", [False, True], ids=["hcur", "act_in_operand"])
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "sm80"])
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])

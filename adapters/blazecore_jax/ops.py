@@ -33,8 +33,8 @@ XLA allocates a computation's outputs (the gradients among them) before it start
 forward sits on top of the gradients. The forward therefore runs with ``act_in_operand=True``
 (``blazecore.moe_forward``: on the sm_90a kernels under "ab" the second GEMM activates the saved pre-activations in
 registers, and the forward holds no (L*K, h) activations) where that lowers the peak of the call, as the memory
-model (``blazecore.memory.moe_memory``) predicts it: the forward's peak plus the gradients against the backward's
-peak, which holds the gradients anyway (``_act_in_operand``). Where the backward's peak stays the larger either way
+model predicts it (``blazecore.memory.act_in_operand_lowers_peak``): the forward's peak plus the gradients against
+the backward's peak, which holds the gradients anyway. Where the backward's peak stays the larger either way
 (e.g. h <= d with many experts, as olmoe or qwen3), the forward keeps the activations and runs the faster second
 GEMM.
 
@@ -481,28 +481,6 @@ class MoEGrads(NamedTuple):
     db2: jax.Array | None
 
 
-def _act_in_operand(L: int, d: int, h: int, E: int, K: int, R: int, dt, activation: str, checkpoint: str,
-                    chunks: int, bias: tuple) -> bool:
-    """Whether the forward activates the saved pre-activations in the second GEMM's operand load rather than keeping
-    the (L*K, h) activations: only where the predicted peak of the call is lower that way. The call holds
-    max(forward peak + gradients, backward peak) (XLA allocates the gradients before the forward runs; the
-    backward's peak includes them); ``act_in_operand`` lowers only the forward's."""
-    if checkpoint != "ab":
-        return False
-    from blazecore import memory
-
-    es = np.dtype(dt).itemsize
-    grads = (L * d + E * R * d + E * d * h) * es + L * K * 4 + (E * R * es if bias[0] else 0) + \
-        (E * d * es if bias[1] else 0)
-
-    def held(act_in_operand: bool) -> int:
-        est = memory.moe_memory(L, d, h, E, K, dtype=np.dtype(dt).name, activation=activation, checkpoint=checkpoint,
-                                chunks=chunks, bias=bias, act_in_operand=act_in_operand)
-        return max(est.forward_peak_bytes + grads, est.backward_peak_bytes)
-
-    return held(True) < held(False)
-
-
 def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1,
                 act_in_operand=True):
     y_out, ab_out = outs
@@ -552,7 +530,9 @@ def moe_forward(x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, *, b13=Non
     _check_dispatch(dispatch, L, K, E)
     shapes = (_sds((L, d), dt), _sds((L * K if checkpoint == "ab" else 0, R), dt))
     chunks = _chunks(chunks)
-    aio = _act_in_operand(L, d, h, E, K, R, dt, activation, checkpoint, chunks, (b13 is not None, b2 is not None))
+    aio = blazecore.memory.act_in_operand_lowers_peak(L, d, h, E, K, dtype=np.dtype(dt).name, activation=activation,
+                                                      checkpoint=checkpoint, chunks=chunks,
+                                                      bias=(b13 is not None, b2 is not None))
     cb = functools.partial(_ffn_fwd_cb, activation=activation, checkpoint=checkpoint, chunks=chunks,
                            act_in_operand=aio)
     y, ab = _callback(cb, shapes)(x, w13, w2, gates, expert_ids, tuple(dispatch), b13, b2)
