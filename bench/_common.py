@@ -114,6 +114,26 @@ def _software() -> dict:
     return header
 
 
+def gpu_state() -> dict | None:
+    """The GPU's SM clock (MHz), power draw (W), temperature (C) and active throttle reasons now, from nvidia-smi
+    (None where it cannot be asked): beside a timing, it says at which clock the kernels ran."""
+    q = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(q)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    vals = [v.strip() for v in line.split(",")]
+    if len(vals) != len(q):
+        return None
+    try:
+        return {"sm_clock_mhz": float(vals[0]), "power_w": float(vals[1]), "temperature_c": float(vals[2]),
+                "throttle_reasons": vals[3]}
+    except ValueError:
+        return None
+
+
 def gpu_header(device: int | None = None) -> dict:
     """The run's identity: GPU, CUDA and library versions, date and commit (needs torch with CUDA)."""
     import torch

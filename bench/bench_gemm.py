@@ -3,14 +3,28 @@
 For each shape and token count (bf16, uniform random top-k routing), one run measures:
 
 * blazecore's six GEMMs as the layer runs them (gathered operands, fused epilogues, every column slice):
-  forward+backward through the public PyTorch API (``blazecore_torch.moe_ffn``, checkpoint "ab"), with CUDA
-  events around every GEMM launch of the core's launcher, summed per GEMM per call (median over the calls);
+  forward+backward through the public PyTorch API (``blazecore_torch.moe_ffn``, checkpoint "ab"), each GEMM's
+  kernel time summed per GEMM per call (median over the calls);
 * the same six GEMMs by ``torch._grouped_mm`` (CUTLASS's grouped GEMM) on operands already gathered into expert
   order: gemm1 x_g w13^T, gemm2 hcur w2^T, dh' dy_g w2, dx dz w13 (M-grouped, 2-D x 3-D with ``offs``), dw13
   dz^T x_g and dw2 dy_g^T (g hcur) (K-grouped, the 2-D x 2-D ``offs`` form), each in the operand layout that
   runs fastest; no gather, no activation, no combine;
 * the layer's forward+backward through ``moe_ffn`` ("ab") and the grouped_mm MoE (sort + gather + grouped_mm +
   index_add, autograd), and the sum of the six grouped_mm GEMMs.
+
+Kernel time (``--clock``): "cupti" (the default) reads every kernel's own start and end from the PyTorch profiler
+(CUPTI records CuPy's launches too), both sides alike: blazecore's launches in the layer matched in order with the
+launcher calls (a staging copy counts with the GEMM it feeds), grouped_mm's launches of each call summed. "events"
+puts CUDA events around every blazecore launch and every grouped_mm call instead (an interval then also holds
+whatever the GPU waits for between the two records).
+The layer's and the grouped_mm MoE's times are CUDA events around whole forward+backward steps either way, the two
+interleaved.
+
+Clock state: the H200 and H100 run these GEMMs at their power limit, so the SM clock falls from about 1.95 GHz on a
+cool GPU to 1.5-1.6 GHz after a few seconds of load, and every kernel's time with it (10-15%). Each problem is
+therefore timed after ``--warm-seconds`` of load (both layers in turn), in ``--rounds`` rounds of blazecore's six GEMMs
+then grouped_mm's six (medians over the rounds), so both sides are timed hot; the layer row records the GPU's clock,
+power and temperature before the load and after the timing.
 
 FLOPs per GEMM: gemm1, dx, dw13 4 L K d h (gated); gemm2, dh', dw2 2 L K d h; 18 L K d h in all.
 Writes bench/results/gemm_<gpu>.json (or --results-dir) and prints the tables.
@@ -100,6 +114,91 @@ class GemmTimer:
         return {k: statistics.median(v.values()) for k, v in sums.items()}
 
 
+def cuda_kernels(torch, run) -> list:
+    """[(start_ns, ms, name)] of every kernel (and memset / copy) the GPU ran during ``run()``, in start order: the
+    PyTorch profiler's device records (CUPTI sees CuPy's launches too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sorted((ev.start_ns(), ev.duration_ns() / 1e6, ev.name()) for ev in prof.profiler.kineto_results.events()
+                  if ev.device_type().name == "CUDA")
+
+
+_GEMM_KERNELS = ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_gemm<")  # blazecore's expert GEMM kernels
+_STAGING_KERNEL = "moe_gather_rows"  # a launcher's staging copy, launched right before its GEMM
+
+
+def launcher_kernel_ms(torch, step, calls: int) -> dict:
+    """{gemm: median over ``calls`` calls of ``step()`` of its kernels' summed ms}: the launchers' calls are logged in
+    order and matched, on the one stream, with blazecore's GEMM kernels in start order; a staging copy goes with the
+    GEMM after it (the launcher that stages launches it first)."""
+    from blazecore import _moe_gpu
+
+    log: list = []
+    origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
+
+    def logged(orig):
+        def f(kern, which, *a, **kw):
+            log.append(which)
+            return orig(kern, which, *a, **kw)
+        return f
+
+    def run():
+        for _ in range(calls):
+            step()
+
+    for n, o in origs.items():
+        setattr(_moe_gpu, n, logged(o))
+    try:
+        recs = cuda_kernels(torch, run)
+    finally:
+        for n, o in origs.items():
+            setattr(_moe_gpu, n, o)
+    return attribute_kernels(log, recs, calls, key=lambda w: "dhcur" if w in ("dhcur", "dh") else
+                             _moe_gpu._STAGED.get(w, w))
+
+
+def attribute_kernels(log: list, recs: list, calls: int, key=lambda w: w) -> dict:
+    """{key(role): median over the calls of its kernels' summed ms}, from the launcher calls' roles ``log`` (in
+    call order, ``calls`` equal calls) and the device records ``recs`` [(start_ns, ms, name)] in start order: the
+    j-th GEMM kernel belongs to the j-th launcher call, a staging copy to the GEMM after it, anything else to none."""
+    import statistics
+
+    gemms = [(ms, name) for _, ms, name in recs if any(k in name for k in (*_GEMM_KERNELS, _STAGING_KERNEL))]
+    n_gemm = sum(1 for _, name in gemms if _STAGING_KERNEL not in name)
+    if calls < 1 or n_gemm != len(log) or len(log) % calls:
+        raise RuntimeError(f"{len(log)} launcher calls in {calls} calls but {n_gemm} GEMM kernels recorded")
+    per_call = len(log) // calls
+    sums: dict = {}
+    pending, j = 0.0, 0
+    for ms, name in gemms:
+        if _STAGING_KERNEL in name:
+            pending += ms
+            continue
+        sums.setdefault(key(log[j]), [0.0] * calls)[j // per_call] += ms + pending
+        pending, j = 0.0, j + 1
+    return {k: statistics.median(v) for k, v in sums.items()}
+
+
+def call_kernel_timing(torch, fn, *, warmup: int, repeats: int):
+    """Timing of the kernels one ``fn()`` launches (their summed ms a call), from ``repeats`` calls back to back."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+
+    def run():
+        for _ in range(repeats):
+            fn()
+
+    ms = [m for _, m, _ in cuda_kernels(torch, run)]
+    if not ms or len(ms) % repeats:
+        raise RuntimeError(f"{len(ms)} kernels recorded for {repeats} calls")
+    k = len(ms) // repeats
+    return common.Timing.of([sum(ms[i * k:(i + 1) * k]) for i in range(repeats)])
+
+
 def _problem(torch, d, h, E, K, L, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, bf = "cuda", torch.bfloat16
@@ -139,8 +238,9 @@ def pregathered(torch, x, dy, ids, E):
     return offs, x[tok].contiguous(), dy[tok].contiguous()
 
 
-def grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats) -> dict:
-    """{gemm: (Timing, layout)} of torch._grouped_mm on the pre-gathered problem."""
+def grouped_mm_fns(torch, x, w13, w2, gates, ids, dy) -> dict:
+    """{gemm: (fn, layout)}: each GEMM by torch._grouped_mm on the pre-gathered problem, in the operand layout that
+    runs fastest (the random operands of the same shape shared between GEMMs)."""
     L, d = x.shape
     E, R, _ = w13.shape
     h = R // 2
@@ -148,40 +248,31 @@ def grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats) -> d
     gmm = torch._grouped_mm
     offs, xg, dyg = pregathered(torch, x, dy, ids, E)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    out = {}
 
     def rnd(*shape):
         return (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
 
+    r_h, r_R = rnd(L * K, h), rnd(L * K, R)  # gemm2's and dx's A; dw2's and dw13's slot-indexed operand
+    # weight gradients, (L*K, M) and (L*K, N): out[e] = a[e rows]^T b[e rows]; the token dimension must not be the
+    # contiguous one: the experts' slot counts are not multiples of 16 bytes, which grouped_mm's TMA operands need
+    # along a contiguous grouped dimension (a device assert)
     cases = {
-        "gemm1": lambda: {"w^T view": (xg, w13.transpose(-2, -1))},
-        "gemm2": lambda: {"w^T view": (rnd(L * K, h), w2.transpose(-2, -1))},
-        "dhcur": lambda: {"w": (dyg, w2)},
-        "dx": lambda: {"w": (rnd(L * K, R), w13)},
+        "gemm1": {"w^T view": (xg, w13.transpose(-2, -1))},
+        "gemm2": {"w^T view": (r_h, w2.transpose(-2, -1))},
+        "dhcur": {"w": (dyg, w2)},
+        "dx": {"w": (r_R, w13)},
+        "dw13": {"a^T view, b": (r_R.t(), xg)},
+        "dw2": {"a^T view, b": (dyg.t(), r_h)},
     }
-    for name, make in cases.items():
-        layout, fn = _pick_layout(torch, gmm, make(), offs)
-        out[name] = (common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch"), layout)
-        del fn
-        gc.collect()
-        torch.cuda.empty_cache()
-    for name, (a_rows, b_rows) in {"dw13": (lambda: rnd(L * K, R), lambda: xg),
-                                   "dw2": (lambda: dyg, lambda: rnd(L * K, h))}.items():
-        a, b = a_rows(), b_rows()  # (L*K, M) and (L*K, N): out[e] = a[e rows]^T b[e rows]
-        # the token dimension must not be the contiguous one: the experts' slot counts are not multiples of 16
-        # bytes, which grouped_mm's TMA operands need along a contiguous grouped dimension (a device assert)
-        cands = {"a^T view, b": (a.t(), b)}
+    out = {}
+    for name, cands in cases.items():
         layout, fn = _pick_layout(torch, gmm, cands, offs)
-        del cands
-        out[name] = (common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch"), layout)
-        del a, b, fn
-        gc.collect()
-        torch.cuda.empty_cache()
+        out[name] = (fn, layout)
     return out
 
 
-def blazecore_gemms(torch, ops, x, w13, w2, gates, ids, dy, *, warmup, repeats):
-    """({gemm: ms per fwd+bwd}, layer Timing) of blazecore through ``moe_ffn`` ("ab")."""
+def blazecore_step(torch, ops, x, w13, w2, gates, ids, dy):
+    """One forward+backward of blazecore through ``moe_ffn`` ("ab"), as a callable."""
     xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
     disp = ops.build_dispatch(ids, w13.shape[0], validate=False)
 
@@ -189,19 +280,11 @@ def blazecore_gemms(torch, ops, x, w13, w2, gates, ids, dy, *, warmup, repeats):
         y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
         return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
 
-    layer = common.time_call(step, warmup=warmup, repeats=repeats, clock="torch")
-    with GemmTimer() as timer:
-        step()  # warm
-        timer.on = True
-        for i in range(repeats):
-            timer.call = i
-            step()
-        per = timer.per_call()
-    return per, layer
+    return step
 
 
-def grouped_mm_layer(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats):
-    """Timing of the grouped_mm MoE's forward+backward (autograd)."""
+def grouped_mm_step(torch, x, w13, w2, gates, ids, dy):
+    """One forward+backward of the grouped_mm MoE (autograd), as a callable."""
     gmm_moe = _grouped_mm_moe()
     xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
 
@@ -209,32 +292,79 @@ def grouped_mm_layer(torch, x, w13, w2, gates, ids, dy, *, warmup, repeats):
         y = gmm_moe(xs, w13s, w2s, gs, ids)
         return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
 
-    return common.time_call(step, warmup=warmup, repeats=repeats, clock="torch")
+    return step
 
 
-def measure(torch, ops, shape, L, *, warmup, repeats) -> list:
+def blazecore_gemm_ms(torch, step, *, repeats, clock="cupti") -> dict:
+    """{gemm: ms per forward+backward} of blazecore's GEMM launches in ``step`` (median over ``repeats`` calls)."""
+    step()  # warm
+    torch.cuda.synchronize()
+    if clock == "cupti":
+        return launcher_kernel_ms(torch, step, repeats)
+    with GemmTimer() as timer:
+        timer.on = True
+        for i in range(repeats):
+            timer.call = i
+            step()
+        return timer.per_call()
+
+
+def heat(torch, fns, seconds: float) -> None:
+    """Run the callables in turn for ``seconds``: the GPU reaches the clock its power limit holds under this load
+    before anything is timed (on an H200 the SM clock falls from about 1.95 to 1.5-1.6 GHz over the first seconds of
+    load, and every kernel with it)."""
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+
+
+def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0, rounds=3) -> list:
+    """The rows of one (shape, token count): after ``warm_s`` seconds of load, ``rounds`` rounds each timing
+    blazecore's six GEMMs in the layer and then grouped_mm's six (medians over the rounds), and the two layers'
+    forward+backward interleaved."""
+    import statistics
+
     d, h, E, K = SHAPES[shape]
     x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
     unit = L * K * d * h
+    ours = blazecore_step(torch, ops, x, w13, w2, gates, ids, dy)
+    theirs = grouped_mm_step(torch, x, w13, w2, gates, ids, dy)
+    fns = grouped_mm_fns(torch, x, w13, w2, gates, ids, dy)
+    state0 = common.gpu_state()
+    heat(torch, [ours, theirs], warm_s)
+    per_r: dict = {}
+    ref_r: dict = {}
+    for _ in range(rounds):
+        for name, ms in blazecore_gemm_ms(torch, ours, repeats=repeats, clock=clock).items():
+            per_r.setdefault(name, []).append(ms)
+        for name, (fn, _) in fns.items():
+            if clock == "cupti":
+                t = call_kernel_timing(torch, fn, warmup=warmup, repeats=repeats)
+            else:
+                t = common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch")
+            ref_r.setdefault(name, []).append(t.median_ms)
+    lay = common.time_calls({"blazecore": ours, "grouped_mm_moe": theirs}, warmup=warmup, repeats=repeats,
+                            clock="torch")
+    state1 = common.gpu_state()
     rows = []
-    per, layer = blazecore_gemms(torch, ops, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
-    gc.collect()
-    torch.cuda.empty_cache()
-    ref = grouped_mm_gemms(torch, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
-    gc.collect()
-    torch.cuda.empty_cache()
     six = 0.0
     for name in GEMMS:
         flops = FLOP_UNITS[name] * unit
-        t_ref, layout = ref[name]
+        t_ref = common.Timing.of(ref_r[name])
         six += t_ref.median_ms
-        b = per.get(name)
-        rows.append({"shape": shape, "tokens": L, "kind": "gemm", "gemm": name, "flops": flops,
-                     "blazecore_ms": b, "blazecore_tflops": common.tflops(flops, b),
+        b = statistics.median(per_r[name]) if name in per_r else None
+        rows.append({"shape": shape, "tokens": L, "kind": "gemm", "gemm": name, "flops": flops, "clock": clock,
+                     "blazecore_ms": b, "blazecore_rounds_ms": per_r.get(name),
+                     "blazecore_tflops": common.tflops(flops, b),
                      "grouped_mm_ms": t_ref.median_ms, "grouped_mm_spread_ms": t_ref.spread_ms,
-                     "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": layout,
+                     "grouped_mm_rounds_ms": ref_r[name],
+                     "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": fns[name][1],
                      "ratio": None if b is None else b / t_ref.median_ms})
-    t_gmm = grouped_mm_layer(torch, x, w13, w2, gates, ids, dy, warmup=warmup, repeats=repeats)
+    layer, t_gmm = lay["blazecore"], lay["grouped_mm_moe"]
     flops = 18 * unit
     rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops,
                  "blazecore_moe_ffn_ms": layer.median_ms, "blazecore_moe_ffn_spread_ms": layer.spread_ms,
@@ -243,8 +373,9 @@ def measure(torch, ops, shape, L, *, warmup, repeats) -> list:
                  "grouped_mm_moe_ms": t_gmm.median_ms, "grouped_mm_moe_spread_ms": t_gmm.spread_ms,
                  "layer_over_six": layer.median_ms / six,
                  "grouped_mm_moe_over_layer": t_gmm.median_ms / layer.median_ms,
-                 "blazecore_gemms_sum_ms": sum(v for v in per.values())})
-    del x, w13, w2, gates, ids, dy
+                 "blazecore_gemms_sum_ms": sum(statistics.median(v) for v in per_r.values()),
+                 "gpu_state_before_heat": state0, "gpu_state_after": state1})
+    del x, w13, w2, gates, ids, dy, ours, theirs, fns
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -271,6 +402,11 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--results-dir", default=None, help="where the JSON goes (default bench/results)")
+    ap.add_argument("--clock", choices=("cupti", "events"), default="cupti",
+                    help="per-GEMM kernel time: the kernels' own durations (cupti) or CUDA events around the launches")
+    ap.add_argument("--warm-seconds", type=float, default=10.0,
+                    help="seconds of load (both layers in turn) before each problem is timed")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of blazecore's then grouped_mm's GEMMs")
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
@@ -282,6 +418,8 @@ def parse_args(argv=None):
         ap.error(f"--tokens: {exc}")
     if any(n < 1 for n in args.token_counts) or args.warmup < 0 or args.repeats < 1:
         ap.error("--tokens must be >= 1, --warmup >= 0, --repeats >= 1")
+    if args.warm_seconds < 0 or args.rounds < 1:
+        ap.error("--warm-seconds must be >= 0 and --rounds >= 1")
     args.shape_list = shapes
     return args
 
@@ -299,13 +437,17 @@ def main(argv=None) -> int:
 
     header = common.gpu_header()
     header["bench"] = "gemm"
+    header["clock"] = args.clock
+    header["warm_seconds"] = args.warm_seconds
+    header["rounds"] = args.rounds
     common.print_header(header)
     rows = []
     failed = 0
     for shape in args.shape_list:
         for L in args.token_counts:
             try:
-                rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats)
+                rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats, clock=args.clock,
+                                warm_s=args.warm_seconds, rounds=args.rounds)
                 print(f"{shape} {L}: done", flush=True)
             except Exception as exc:  # the row says what went wrong; the other problems still run
                 import traceback

@@ -66,8 +66,14 @@ def moe_table(doc: dict) -> str:
 def gemm_table(doc: dict) -> str:
     """bench_gemm.py: each GEMM against torch._grouped_mm pre-gathered, then the layer."""
     rows = doc["rows"]
+    h = doc["header"]
+    how = ""
+    if h.get("clock"):
+        how = (f"; kernel time by {'CUPTI' if h['clock'] == 'cupti' else 'CUDA events'}"
+               + (f", timed after {h['warm_seconds']:g} s of load, medians of {h['rounds']} rounds"
+                  if h.get("rounds") else ""))
     out = [f"The six expert GEMMs against torch._grouped_mm on the pre-gathered problem, bf16 "
-           f"({_header_line(doc['header'])}); ms (TFLOP/s), ratio = blazecore / grouped_mm:", "",
+           f"({_header_line(h)}{how}); TFLOP/s, ratio = blazecore / grouped_mm:", "",
            "| shape | tokens | " + " | ".join(("gemm1", "gemm2", "dh'", "dx", "dw13", "dw2")) + " |",
            "|---|---:|" + "---:|" * 6]
     names = ("gemm1", "gemm2", "dhcur", "dx", "dw13", "dw2")

@@ -1,0 +1,31 @@
+"""bench_gemm's kernel-time attribution (CPU): device records matched with the launcher calls in order."""
+
+import pytest
+
+from bench.bench_gemm import attribute_kernels
+
+
+def _recs(names_ms):
+    return [(i * 1000, ms, name) for i, (name, ms) in enumerate(names_ms)]
+
+
+def test_attribute_kernels_sums_roles_per_call_and_takes_the_median():
+    log = ["gemm1", "gemm2", "gemm2", "dw13s"] * 3
+    recs = []
+    for scale in (1.0, 3.0, 2.0):
+        recs += [("void blz::moe_gemm_sm90<a>", 1.0 * scale), ("blz::moe_combine", 9.0),
+                 ("void blz::moe_gemm_sm90<b>", 0.5 * scale), ("void blz::moe_gemm_sm90<b>", 0.25 * scale),
+                 ("blz::moe_gather_rows", 0.125 * scale), ("void blz::moe_wgrad_sm90<c>", 2.0 * scale),
+                 ("Memset (Device)", 7.0)]
+    out = attribute_kernels(log, _recs(recs), 3, key=lambda w: {"dw13s": "dw13"}.get(w, w))
+    # medians over the three calls (scales 1, 3, 2 -> 2); the combine and the memset belong to no GEMM, the staging
+    # copy to the GEMM launched after it
+    assert out == {"gemm1": 2.0, "gemm2": 1.5, "dw13": 4.25}
+
+
+def test_attribute_kernels_refuses_a_mismatch():
+    recs = _recs([("void blz::moe_gemm_sm90<a>", 1.0)] * 3)
+    with pytest.raises(RuntimeError, match="launcher calls"):
+        attribute_kernels(["gemm1", "gemm2"], recs, 1)
+    with pytest.raises(RuntimeError, match="launcher calls"):
+        attribute_kernels(["gemm1"] * 3, recs, 2)
