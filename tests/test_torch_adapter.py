@@ -793,3 +793,41 @@ def test_eager_calls_equal_the_dispatched_ops(device):
     names = ("y", "gates", "ids", "aux", "dx", "dw13", "dw2", "dlogits", "db13", "db2")
     for name, a, b in zip(names, run(True), run(False), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", ("ab", "none"))
+def test_gpu_moe_ffn_step_captured_in_a_cuda_graph(checkpoint):
+    """A whole forward+backward through the public API (dispatch with validate=False, moe_ffn, autograd.grad) captured
+    in one torch.cuda.CUDAGraph: nothing in it synchronises with the host, and each replay on new inputs (a new routing
+    included) gives the bits of the eager step on the same inputs."""
+    L, d, h, E, K = 700, 128, 256, 8, 2
+    static = list(_inputs(L, d, h, E, K, torch.bfloat16, "cuda", requires_grad=False, seed=1)[:5])
+    static.append(torch.randn(L, d, device="cuda", dtype=torch.bfloat16))  # dy
+
+    def step(x, w13, w2, gates, ids, dy):
+        leaves = [t.detach().requires_grad_() for t in (x, w13, w2, gates)]
+        disp = ops.build_dispatch(ids, E, validate=False)
+        y = ops.moe_ffn(*leaves, ids, checkpoint=checkpoint, dispatch=disp)
+        return (y.detach(), *torch.autograd.grad(y, leaves, dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the capture (kernels compiled and loaded, allocator pools filled)
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*static)
+    for seed in (2, 3):
+        new = list(_inputs(L, d, h, E, K, torch.bfloat16, "cuda", requires_grad=False, seed=seed)[:5])
+        new.append(torch.randn(L, d, device="cuda", dtype=torch.bfloat16))
+        assert not torch.equal(new[4], static[4])  # the routing changes between replays
+        for s, n in zip(static, new, strict=True):
+            s.copy_(n)
+        graph.replay()
+        want = step(*new)
+        torch.cuda.synchronize()
+        for a, b, name in zip(outs, want, ("y", "dx", "dw13", "dw2", "dgates"), strict=True):
+            assert torch.equal(a, b), name
