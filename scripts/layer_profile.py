@@ -2,7 +2,8 @@
 ("ab", bf16, bench_gemm's problem) under the PyTorch profiler (CUPTI sees the CuPy launches too), summed by kernel
 name per step, beside the step's wall time from CUDA events (the difference is launch gaps and idle time).
 
-Usage (repository root, GPU): python scripts/layer_profile.py [--shapes olmoe,fine] [--tokens 32k] [--steps 5]
+Usage (repository root, GPU): PYTHONPATH=.:adapters:app python \
+    scripts/layer_profile.py [--shapes olmoe,fine] [--tokens 32k] [--steps 5]
 [--json OUT.json]
 """
 
@@ -14,8 +15,6 @@ import re
 import sys
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _short(name: str) -> str:

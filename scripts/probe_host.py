@@ -2,7 +2,8 @@
 against how long the GPU takes to run it (back to back, and as CUDA-graph replays of the captured step), over token
 counts (bench_gemm's problem), and the functions the host spends it in (cProfile) at one of them.
 
-Usage (repository root, GPU): python scripts/probe_host.py [--shape olmoe] [--tokens 2k,8k,32k] [--profile 8k]
+Usage (repository root, GPU): PYTHONPATH=.:adapters:app python \
+    scripts/probe_host.py [--shape olmoe] [--tokens 2k,8k,32k] [--profile 8k]
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _parse(tok: str) -> int:

@@ -2,7 +2,8 @@
 in several trials of one process, each on fresh copies of the operands (new addresses), beside a fixed torch matmul's
 time and the SM clock and power NVML reports right after.
 
-Usage (repository root, GPU): python scripts/probe_variance.py [--shape olmoe] [--tokens 32k] [--trials 4]
+Usage (repository root, GPU): PYTHONPATH=.:adapters:app python \
+    scripts/probe_variance.py [--shape olmoe] [--tokens 32k] [--trials 4]
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def smi() -> str:
