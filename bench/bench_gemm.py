@@ -238,9 +238,10 @@ def pregathered(torch, x, dy, ids, E):
     return offs, x[tok].contiguous(), dy[tok].contiguous()
 
 
-def grouped_mm_fns(torch, x, w13, w2, gates, ids, dy) -> dict:
-    """{gemm: (fn, layout)}: each GEMM by torch._grouped_mm on the pre-gathered problem, in the operand layout that
-    runs fastest (the random operands of the same shape shared between GEMMs)."""
+def grouped_mm_cases(torch, x, w13, w2, gates, ids, dy) -> dict:
+    """{gemm: build()}: each GEMM by torch._grouped_mm on the pre-gathered problem; ``build()`` makes its operands
+    (random where the layer's are intermediate) and returns (fn, layout), fn in the operand layout that runs fastest.
+    The operands are made per call and dropped with fn, so no more than one GEMM's are held at a time."""
     L, d = x.shape
     E, R, _ = w13.shape
     h = R // 2
@@ -252,23 +253,18 @@ def grouped_mm_fns(torch, x, w13, w2, gates, ids, dy) -> dict:
     def rnd(*shape):
         return (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
 
-    r_h, r_R = rnd(L * K, h), rnd(L * K, R)  # gemm2's and dx's A; dw2's and dw13's slot-indexed operand
     # weight gradients, (L*K, M) and (L*K, N): out[e] = a[e rows]^T b[e rows]; the token dimension must not be the
     # contiguous one: the experts' slot counts are not multiples of 16 bytes, which grouped_mm's TMA operands need
     # along a contiguous grouped dimension (a device assert)
     cases = {
-        "gemm1": {"w^T view": (xg, w13.transpose(-2, -1))},
-        "gemm2": {"w^T view": (r_h, w2.transpose(-2, -1))},
-        "dhcur": {"w": (dyg, w2)},
-        "dx": {"w": (r_R, w13)},
-        "dw13": {"a^T view, b": (r_R.t(), xg)},
-        "dw2": {"a^T view, b": (dyg.t(), r_h)},
+        "gemm1": lambda: {"w^T view": (xg, w13.transpose(-2, -1))},
+        "gemm2": lambda: {"w^T view": (rnd(L * K, h), w2.transpose(-2, -1))},
+        "dhcur": lambda: {"w": (dyg, w2)},
+        "dx": lambda: {"w": (rnd(L * K, R), w13)},
+        "dw13": lambda: {"a^T view, b": (rnd(L * K, R).t(), xg)},
+        "dw2": lambda: {"a^T view, b": (dyg.t(), rnd(L * K, h))},
     }
-    out = {}
-    for name, cands in cases.items():
-        layout, fn = _pick_layout(torch, gmm, cands, offs)
-        out[name] = (fn, layout)
-    return out
+    return {name: (lambda make=make: _pick_layout(torch, gmm, make(), offs)[::-1]) for name, make in cases.items()}
 
 
 def blazecore_step(torch, ops, x, w13, w2, gates, ids, dy):
@@ -333,7 +329,8 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     unit = L * K * d * h
     ours = blazecore_step(torch, ops, x, w13, w2, gates, ids, dy)
     theirs = grouped_mm_step(torch, x, w13, w2, gates, ids, dy)
-    fns = grouped_mm_fns(torch, x, w13, w2, gates, ids, dy)
+    cases = grouped_mm_cases(torch, x, w13, w2, gates, ids, dy)
+    layouts: dict = {}
     state0 = common.gpu_state()
     heat(torch, [ours, theirs], warm_s)
     per_r: dict = {}
@@ -341,12 +338,16 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     for _ in range(rounds):
         for name, ms in blazecore_gemm_ms(torch, ours, repeats=repeats, clock=clock).items():
             per_r.setdefault(name, []).append(ms)
-        for name, (fn, _) in fns.items():
+        for name, build in cases.items():
+            fn, layouts[name] = build()
             if clock == "cupti":
                 t = call_kernel_timing(torch, fn, warmup=warmup, repeats=repeats)
             else:
                 t = common.time_call(fn, warmup=warmup, repeats=repeats, clock="torch")
             ref_r.setdefault(name, []).append(t.median_ms)
+            del fn
+        gc.collect()
+        torch.cuda.empty_cache()
     lay = common.time_calls({"blazecore": ours, "grouped_mm_moe": theirs}, warmup=warmup, repeats=repeats,
                             clock="torch")
     state1 = common.gpu_state()
@@ -362,7 +363,7 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                      "blazecore_tflops": common.tflops(flops, b),
                      "grouped_mm_ms": t_ref.median_ms, "grouped_mm_spread_ms": t_ref.spread_ms,
                      "grouped_mm_rounds_ms": ref_r[name],
-                     "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": fns[name][1],
+                     "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": layouts[name],
                      "ratio": None if b is None else b / t_ref.median_ms})
     layer, t_gmm = lay["blazecore"], lay["grouped_mm_moe"]
     flops = 18 * unit
@@ -375,7 +376,7 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                  "grouped_mm_moe_over_layer": t_gmm.median_ms / layer.median_ms,
                  "blazecore_gemms_sum_ms": sum(statistics.median(v) for v in per_r.values()),
                  "gpu_state_before_heat": state0, "gpu_state_after": state1})
-    del x, w13, w2, gates, ids, dy, ours, theirs, fns
+    del x, w13, w2, gates, ids, dy, ours, theirs, cases
     gc.collect()
     torch.cuda.empty_cache()
     return rows
