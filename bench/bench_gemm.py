@@ -279,6 +279,17 @@ def blazecore_step(torch, ops, x, w13, w2, gates, ids, dy):
     return step
 
 
+def shape_step(torch, ops, shape, L, warm=3):
+    """blazecore's forward+backward (:func:`blazecore_step`) on this benchmark's problem of ``shape`` at ``L`` tokens,
+    run ``warm`` times first (kernels compiled and loaded)."""
+    d, h, E, K = SHAPES[shape]
+    step = blazecore_step(torch, ops, *_problem(torch, d, h, E, K, L))
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
 def grouped_mm_step(torch, x, w13, w2, gates, ids, dy):
     """One forward+backward of the grouped_mm MoE (autograd), as a callable."""
     gmm_moe = _grouped_mm_moe()

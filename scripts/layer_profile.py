@@ -28,21 +28,9 @@ def _short(name: str) -> str:
 
 
 def profile(torch, ops, shape, L, steps):
+    from bench.bench_gemm import cuda_kernels, shape_step
 
-    from bench.bench_gemm import SHAPES, _problem, cuda_kernels
-
-    d, h, E, K = SHAPES[shape]
-    x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
-    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
-    disp = ops.build_dispatch(ids, E, validate=False)
-
-    def step():
-        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
-        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = shape_step(torch, ops, shape, L)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(steps):
@@ -50,6 +38,7 @@ def profile(torch, ops, shape, L, steps):
     e1.record()
     torch.cuda.synchronize()
     wall = e0.elapsed_time(e1) / steps
+
     def run():
         for _ in range(steps):
             step()
@@ -77,19 +66,9 @@ def profile(torch, ops, shape, L, steps):
 
 def compare_timers(torch, ops, shape, L, steps):
     """bench_gemm's per-launch CUDA events against the kernels' own durations (CUPTI), same process and problem."""
-    from bench.bench_gemm import SHAPES, GemmTimer, _problem, launcher_kernel_ms
+    from bench.bench_gemm import GemmTimer, launcher_kernel_ms, shape_step
 
-    d, h, E, K = SHAPES[shape]
-    x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
-    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
-    disp = ops.build_dispatch(ids, E, validate=False)
-
-    def step():
-        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
-        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
-
-    for _ in range(3):
-        step()
+    step = shape_step(torch, ops, shape, L)
     with GemmTimer() as timer:
         step()
         timer.on = True

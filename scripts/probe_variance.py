@@ -19,20 +19,15 @@ def smi() -> str:
     return r.stdout.strip()
 
 
-def _trial(torch, ops, launcher_kernel_ms, problem, E):
-    x, w13, w2, gates, ids, dy = problem
-    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
-    disp = ops.build_dispatch(ids, E, validate=False)
+def _trial(torch, ops, problem):
+    from bench.bench_gemm import blazecore_step, launcher_kernel_ms
 
-    def step():
-        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
-        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
-
+    step = blazecore_step(torch, ops, *problem)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    addrs = f"x@{x.data_ptr() % 2**21:#x} dy@{dy.data_ptr() % 2**21:#x}"
-    return launcher_kernel_ms(torch, step, 5), addrs
+    x, dy = problem[0], problem[5]
+    return launcher_kernel_ms(torch, step, 5), f"x@{x.data_ptr() % 2**21:#x} dy@{dy.data_ptr() % 2**21:#x}"
 
 
 def main(argv=None) -> int:
@@ -44,7 +39,7 @@ def main(argv=None) -> int:
     import blazecore_torch as ops
     import torch
 
-    from bench.bench_gemm import SHAPES, _problem, call_kernel_timing, launcher_kernel_ms
+    from bench.bench_gemm import SHAPES, _problem, call_kernel_timing
 
     d, h, E, K = SHAPES[a.shape]
     L = int(a.tokens[:-1]) * 1024 if a.tokens.endswith("k") else int(a.tokens)
@@ -53,7 +48,7 @@ def main(argv=None) -> int:
     pads = []
     for trial in range(a.trials):
         pads.append(torch.empty((trial + 1) * 3 * 2**20 + 4096 * trial, dtype=torch.uint8, device="cuda"))
-        per, addrs = _trial(torch, ops, launcher_kernel_ms, [t.clone() for t in base], E)
+        per, addrs = _trial(torch, ops, [t.clone() for t in base])
         ref = call_kernel_timing(torch, lambda: ref_a @ ref_a, warmup=2, repeats=10).median_ms
         print(f"trial {trial}: " + " ".join(f"{k} {v:.3f}" for k, v in sorted(per.items())) +
               f" | ref matmul {ref:.3f} | {addrs} | {smi()}", flush=True)
