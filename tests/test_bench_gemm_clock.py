@@ -29,3 +29,27 @@ def test_attribute_kernels_refuses_a_mismatch():
         attribute_kernels(["gemm1", "gemm2"], recs, 1)
     with pytest.raises(RuntimeError, match="launcher calls"):
         attribute_kernels(["gemm1"] * 3, recs, 2)
+
+
+def test_gpu_state_parses_nvidia_smi_and_gives_none_without_it(monkeypatch):
+    import subprocess
+
+    from bench import _common
+
+    class Done:
+        def __init__(self, rc, out):
+            self.returncode, self.stdout = rc, out
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(0, "1530, 176.78, 46, 0x0000000000000004\n"))
+    assert _common.gpu_state() == {"sm_clock_mhz": 1530.0, "power_w": 176.78, "temperature_c": 46.0,
+                                   "throttle_reasons": "0x0000000000000004"}
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(0, "[N/A], 176.78, 46, 0x4\n"))
+    assert _common.gpu_state() is None
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(9, ""))
+    assert _common.gpu_state() is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert _common.gpu_state() is None
