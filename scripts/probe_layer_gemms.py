@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Each expert GEMM's time inside the layer against the same launch replayed on its own, in one run.
 
-bench/bench_gemm.py times every GEMM launch of ``blazecore_torch.moe_ffn``'s forward+backward ("ab") with CUDA events
-around it, in the layer's sequence. This probe records those launches (their arguments, as the layer made them), then
-replays each one ``--reps`` times back to back with events around each replay. A replay reads and writes the layer's
-own buffers (dh' rewrites dz over z: the values change, the work does not), so the two times differ only by what
-ran before the launch (L2 contents, clocks) and by host gaps inside the timed window.
+bench/bench_gemm.py (``--clock events``) can time every GEMM launch of ``blazecore_torch.moe_ffn``'s forward+backward
+("ab") with CUDA events around it, in the layer's sequence; so does this probe. It then records those launches (their
+arguments, as the layer made them) and replays each one ``--reps`` times back to back with events around each replay.
+A replay reads and writes the layer's own buffers (dh' rewrites dz over z: the values change, the work does not), so
+the two times differ only by what ran before the launch (L2 contents, clocks) and by host gaps inside the timed window.
 
 Usage: PYTHONPATH=.:adapters python3 scripts/probe_layer_gemms.py [--shapes olmoe,mixtral] [--tokens 32768]
 Prints a table and writes DIR/probe_layer_gemms_<gpu>.json. Needs a CUDA GPU.
@@ -20,19 +20,11 @@ import statistics
 
 def layer_step(torch, ops, shape, L):
     """One forward+backward of ``blazecore_torch.moe_ffn`` ("ab") on bench_gemm's problem of ``shape`` and L tokens,
-    as a function (returns the gradients)."""
-    from bench.bench_gemm import SHAPES, _problem
+    as a function (returns the gradients): bench_gemm's ``blazecore_step``."""
+    from bench.bench_gemm import SHAPES, _problem, blazecore_step
 
     d, h, E, K = SHAPES[shape]
-    x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
-    xs, w13s, w2s, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
-    disp = ops.build_dispatch(ids, E, validate=False)
-
-    def step():
-        y = ops.moe_ffn(xs, w13s, w2s, gs, ids, checkpoint="ab", dispatch=disp)
-        return torch.autograd.grad(y, (xs, w13s, w2s, gs), dy)
-
-    return step
+    return blazecore_step(torch, ops, *_problem(torch, d, h, E, K, L))
 
 
 def record_launches(step):
