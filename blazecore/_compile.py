@@ -193,6 +193,39 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
         return fn
 
 
+_cluster_occupancy: dict = {}
+
+
+def max_active_clusters(fn, threads: int, smem: int, cluster: int) -> int:
+    """How many clusters of ``cluster`` CTAs of ``fn`` (a CuPy Function whose kernel has compile-time cluster
+    dimensions) the current device holds at once with ``threads`` threads and ``smem`` bytes of dynamic shared memory
+    each (the driver's cuOccupancyMaxActiveClusters; CuPy does not expose it); 0 where the driver cannot say."""
+    import ctypes
+
+    key = (int(fn.ptr), threads, smem, cluster)
+    n = _cluster_occupancy.get(key)
+    if n is not None:
+        return n
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                    ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                    ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                    ("numAttrs", ctypes.c_uint)]
+
+    try:
+        query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return 0
+    query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]
+    query.restype = ctypes.c_int
+    cfg = LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
+    out = ctypes.c_int(0)
+    n = out.value if query(ctypes.byref(out), ctypes.c_void_p(int(fn.ptr)), ctypes.byref(cfg)) == 0 else 0
+    _cluster_occupancy[key] = n
+    return n
+
+
 # Every kernel the package launches, as (file, name expressions). The CPU-only compile test walks
 # this table, so a kernel added to a launcher must be added here too.
 KERNELS: dict[str, tuple[str, ...]] = {}

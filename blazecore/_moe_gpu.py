@@ -280,6 +280,16 @@ def _persistent_grid(grid):
     return max(1, min(int(grid), _SM_COUNT[dev]))
 
 
+def _persistent_cluster_grid(fn, kv, grid, cluster):
+    """The persistent grid of a kernel in clusters of ``cluster`` CTAs: as many clusters as the device holds at once
+    (a cluster past those would run its whole share after the others); the full grid (one tile a CTA) where the driver
+    cannot say."""
+    if _array.dry() is not None:
+        return int(grid)
+    n = _compile.max_active_clusters(fn, kv.threads, kv.smem, cluster)
+    return int(grid) if n <= 0 else cluster * max(1, min(int(grid) // cluster, n))
+
+
 _compile.register_kernels(
     _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
 )
@@ -349,8 +359,10 @@ class _Kernels:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
             name = _name90(self.ct, which, v, carry_in, b_load or self.b_load, cluster)
+            # every sm_90a kernel stages its epilogue outside the ring (the weight gradients leave the tile
+            # descriptors unused)
             return KernelVariant(file, name, NTHREADS90, BM, BN90, _stages90(BN90, a_tiles),
-                                 _smem90(BN90, which in _M_GROUPED, a_tiles))
+                                 _smem90(BN90, True, a_tiles))
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
 
@@ -508,6 +520,8 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         # (the staged-row roles, A by TMA too, measured 2-3% slower so: one CTA a tile)
         cluster = kern.wgrad_cluster if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
+    if kern.sm90:  # persistent: at most one CTA per SM (or as many clusters as are resident at once) walk the tiles
+        grid = _persistent_grid(grid) if cluster == 1 else _persistent_cluster_grid(fn, kv, grid, cluster)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 

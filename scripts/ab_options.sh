@@ -2,8 +2,10 @@
 # In-run A/B of kernel build options on a CUDA machine: bench_gemm once per option set, the sets taken in turn for
 # ROUNDS rounds (default 2), then each GEMM's and the layer's milliseconds side by side, one column per set and round.
 # An option set is 'LABEL:NVRTC options' (BLAZECORE_NVRTC_OPTIONS for every kernel; empty: the kernels as shipped),
-# e.g. timing probes (-DBLZ_PROBE_EPI=1) or a variant kept behind a macro while it is measured.
-#   bash scripts/ab_options.sh OUTDIR 'base:' 'probe:-DBLZ_PROBE_EPI=1' [-- bench_gemm options]
+# e.g. timing probes (-DBLZ_PROBE_EPI=1) or a variant kept behind a macro while it is measured. A set may end in a third
+# field of environment settings for its run: 'LABEL:NVRTC options:VAR=VALUE ...' (e.g. BLAZECORE_SM90_CLUSTER=1).
+#   bash scripts/ab_options.sh OUTDIR 'base:' 'probe:-DBLZ_PROBE_EPI=1' 'one:-:BLAZECORE_SM90_CLUSTER=1' [-- options]
+# ('-' stands for no NVRTC options where an environment field follows).
 # (default bench_gemm options: --tokens 32k --repeats 5 --warmup 2). Writes OUTDIR/<label>_<round>/gemm_<gpu>.json and
 # OUTDIR/ab_options.txt (the table). Each set compiles its kernels on first use (the on-disk cache keys on the
 # options), so the first round also warms the cache.
@@ -21,9 +23,12 @@ export PYTHONPATH="$PWD:$PWD/adapters:$PWD/app${PYTHONPATH:+:$PYTHONPATH}" PYTHO
 rc=0
 for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
   for spec in "${sets[@]}"; do
-    label=${spec%%:*}; nv=${spec#*:}
-    echo "== $label round $r: ${nv:-(as shipped)}"
-    BLAZECORE_NVRTC_OPTIONS="$nv" python3 -m bench.bench_gemm "${opts[@]}" --results-dir "$OUT/${label}_$r" \
+    label=${spec%%:*}; nv=${spec#*:}; envs=""
+    if [[ $nv == *:* ]]; then envs=${nv#*:}; nv=${nv%%:*}; fi
+    [[ $nv == "-" ]] && nv=""
+    echo "== $label round $r: ${nv:-(as shipped)} ${envs}"
+    # shellcheck disable=SC2086  # envs: VAR=VALUE words
+    env $envs BLAZECORE_NVRTC_OPTIONS="$nv" python3 -m bench.bench_gemm "${opts[@]}" --results-dir "$OUT/${label}_$r" \
       >"$OUT/${label}_$r.log" 2>&1 || { echo "   failed: see $OUT/${label}_$r.log"; rc=1; }
   done
 done

@@ -1139,6 +1139,54 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens, monkeypatch):
             assert got[e].tobytes() == outs["cp_async", "1"][e].tobytes(), f"expert {e}: bits differ on {path}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("which", ["dw13", "dw2"])
+def test_sm90_wgrad_persistent_grids_gpu(which, cluster, monkeypatch):
+    """The sm_90a weight-gradient kernels are persistent: each CTA (or 2-CTA cluster) walks the tiles with a stride of
+    the grid, its stage ring running on from tile to tile while each tile's epilogue goes out through the warps' own
+    staging. Any grid must give the bits of one tile a CTA: 1, 3 and 7 CTAs (clusters) walk 5 experts' 12 tiles each
+    (one expert without slots, reductions off the 64-slot tiles), and every expert matches a float64 reference."""
+    import cupy
+
+    from blazecore import _moe_gpu
+
+    if not _moe_gpu._Kernels(BF16, "swiglu").sm90:
+        pytest.skip("an sm_90a kernel")
+    monkeypatch.setenv("BLAZECORE_SM90_CLUSTER", cluster)
+    c = int(cluster)
+    rng = np.random.default_rng(11)
+    E, L, K, d, M = 5, 300, 2, 392, 600  # 4 m-tiles (even: clusters), 3 n-tiles a tile row
+    ids = np.stack([rng.choice([0, 1, 2, 4], K, replace=False) for _ in range(L)]).astype(np.int32)  # 3: no slots
+    disp = build_dispatch(cupy.asarray(ids), E)
+    offsets, slot_token = cupy.asnumpy(disp.expert_offsets), cupy.asnumpy(disp.slot_token)
+    S = rng.standard_normal((L * K, M)).astype(BF16)  # slot-indexed: dz (M = 2h) or g * hcur (M = h)
+    X = rng.standard_normal((L, d)).astype(BF16)  # gathered: x or dy
+    stream = cupy.cuda.get_current_stream()
+    kern = _moe_gpu._Kernels(BF16, "swiglu", b_load="tma")
+    outs = {}
+    for ctas in (None, 1, 3, 7):  # None: the full grid, one tile a CTA
+        monkeypatch.setattr(_moe_gpu, "_persistent_grid", lambda g, n=ctas: g if n is None else min(g, n))
+        monkeypatch.setattr(_moe_gpu, "_persistent_cluster_grid",
+                            lambda fn, kv, g, cl, n=ctas: g if n is None else min(g, cl * n))
+        s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
+        if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
+            out = cupy.full((E, M, d), 0x7FC0, np.uint16)  # NaN: a tile never written shows
+            _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, None, 0, stream, None, 0, 0)
+            outs[ctas] = cupy.asnumpy(out).view(BF16).astype(np.float64)
+        else:  # dw2_e (d, M) = dy_g^T (g hcur)_e
+            out = cupy.full((E, d, M), 0x7FC0, np.uint16)
+            _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, None, 0, stream)
+            outs[ctas] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+    s64, x64 = S.astype(np.float64), X.astype(np.float64)
+    for e in range(E):
+        s0, s1 = offsets[e], offsets[e + 1]
+        want = s64[s0:s1].T @ x64[slot_token[s0:s1]]
+        assert_close(outs[None][e], want, TOL[BF16], f"expert {e}")
+    for ctas, got in outs.items():
+        assert got.tobytes() == outs[None].tobytes(), f"{ctas} CTAs (clusters of {c}): bits differ from one tile a CTA"
+
+
 def test_gemm_path_argument_is_checked():
     """gemm_path is one of blazecore.GEMM_PATHS or None; anything else is a ValueError before any work (the CPU
     accepts and ignores a valid one)."""

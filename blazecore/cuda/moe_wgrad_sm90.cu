@@ -7,11 +7,13 @@ namespace blz {
 //   W_e[m, n] = sum over slots s in [offsets[e], offsets[e+1]), in slot order, of A[rowA(s), m] * B[rowB(s), n]
 //   rowA(s) = slot_token[s] (A_GATHER) or s; rowB(s) likewise (B_GATHER); W is (E, M, N) row-major (o_estride).
 //
-// CTA = (expert e, 128-row m-tile, BN-column n-tile), 1-D grid, expert-major: bid = e * tiles_m * tiles_n + rt,
+// Tile = (expert e, 128-row m-tile, BN-column n-tile), numbered expert-major: v = e * tiles_m * tiles_n + rt,
 // tiles_m = ceil(M / 128), tiles_n = ceil(N / BN); the expert's tiles rt in groups of 16 m-tiles, each group's
 // n-tiles one after another (rt = first * tiles_n + tn * gsz + tm - first, first = 16 * (rt / (16 * tiles_n)),
-// gsz = min(16, tiles_m - first)).
-// One CTA reduces all of the expert's slots in order (no split-K, no atomics: deterministic); an expert with
+// gsz = min(16, tiles_m - first)). Persistent CTAs: CTA b takes tiles b, b + gridDim.x, ... (the launcher starts at
+// most one CTA per SM, or as many 2-CTA clusters as are resident at once; any grid is correct). Stage and phase run
+// on over all of a CTA's k-tiles, so the producer fills the next tile's stages while the consumers store a tile.
+// One CTA reduces all of a tile's slots in order (no split-K, no atomics: deterministic); an expert with
 // no slots writes zeros. Same warpgroup roles, stage ring, barriers and register split as moe_gemm_sm90.
 // The reduction dim is the row index of both operands, so both tiles are stored MN-major:
 //   A stage: 2 atoms [64 slots][64 m] (8 KB each); atom a = columns m0 + [64 a, 64 a + 64) = the rows of
@@ -24,15 +26,14 @@ namespace blz {
 // operand's row index reaches the copying lane by __shfl_sync. A row is 128 columns = 16 chunks (2 rows
 // per warp instruction), a B row BN / 8 chunks (BN = 256: 1 row, 512 contiguous bytes per instruction).
 // Slots past the expert's end and columns >= M / N are zero-filled (src-size 0).
-// Epilogue: after a consumer-only named barrier (every wgmma of both warpgroups has finished reading the
-// ring), each consumer warp converts its 16 rows x BN columns to T into a private staging area in the
-// ring (row pitch BN * 2 + 16 bytes: the fragment writes are bank-conflict free), then stores whole
-// 16-byte chunks row by row (coalesced); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
+// Epilogue: each consumer warp converts its 16 rows x BN columns to T in four passes of 64 columns through its own
+// 4 KB staging area outside the ring (the M-grouped kernels' layout), then stores whole 16-byte chunks row by row
+// (transposed, OUT_T: 32 bytes of m a row n); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
 // Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
 // Arguments: moe_gemm's (MODE_K), KGroupedArgs (moe_args.cuh), then the tensor maps; CARRY_IN instantiates the
 // launch whose args.carry_in is set.
-// Launch: grid = E * ceil(M / 128) * ceil(N / BN), block = sm90::THREADS (384),
-// dynamic shared memory = sm90::Cfg<BN, false, 1, STAGES>::SMEM_BYTES (197696 bytes for BN = 256 and 4 stages).
+// Launch: grid <= E * ceil(M / 128) * ceil(N / BN) (even for clusters), block = sm90::THREADS (384),
+// dynamic shared memory = sm90::Cfg<BN, true, 1, STAGES>::SMEM_BYTES (230672 bytes for BN = 256 and 4 stages).
 
 // OUT_T: store the tile transposed, out[e][n][m] (the launcher computes dw13 = dz^T x_g as W^T = x_g^T dz, so
 // that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
@@ -100,7 +101,9 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   constexpr int MC = CLUSTER;  // CTAs sharing (multicasting) each B tile
   constexpr bool ANY_TMA = A_TMA || B_TMA;
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
-  using C = sm90::Cfg<BN, false, 1, STAGES>;  // no epilogue staging area, no tile descriptors
+  // the M-grouped kernels' layout: the consumer warps' 4 KB epilogue staging after the ring (its tile descriptors and
+  // epilogue-done barrier stay unused), so the producer fills the next tile's stages during an epilogue
+  using C = sm90::Cfg<BN, true, 1, STAGES>;
   constexpr int EPC = 8;                         // elements per 16-byte chunk
   constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
   static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");
@@ -110,23 +113,34 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
 
   const int tid = threadIdx.x;
 
-  // ---- which tile (as moe_gemm MODE_K) -----------------------------------------------------------------
+  // ---- the tiles: v = e * tiles_m * tiles_n + rt, expert-major -----------------------------------------
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const long long per_e = (long long)tiles_m * tiles_n;
-  const long long bid = blockIdx.x;
-  const int e = static_cast<int>(bid / per_e);
-  if (e >= num_experts) return;
-  // grouped order inside the expert: GROUP_M m-tiles down one n-tile, then the next n-tile, so the ~one CTA per SM
-  // that run at a time read about GROUP_M A slices and SMs / GROUP_M B slices (a single row of n-tiles of a wide N,
-  // mixtral's dw13, would stream every B slice from DRAM once per m-tile)
-  constexpr int GROUP_M = 16;
-  const int rt = static_cast<int>(bid % per_e);
-  const int first = (rt / (GROUP_M * tiles_n)) * GROUP_M, gsz = min(GROUP_M, tiles_m - first);
-  const int local = rt - first * tiles_n;
-  const int m0 = (first + local % gsz) * BM, n0 = (local / gsz) * BN;
-  const int slot_lo = __ldg(offsets + e);
-  const int cnt = __ldg(offsets + e + 1) - slot_lo;  // the expert's slots = the reduction length
-  const int num_kt = ktile_count<BK>(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);  // tiles of KTileWalk
+  const long long num_tiles = (long long)num_experts * per_e;
+  // persistent CTAs: CTA b takes tiles b, b + gridDim.x, ... (any grid is correct). CLUSTER = 2: the grid is even
+  // and the tile count too, so the CTAs 2c and 2c + 1 of a cluster take the tile pairs (2u, 2u + 1), u = c,
+  // c + gridDim.x / 2, ...: m-tiles 2j and 2j + 1 of one (expert, n-tile)
+  const long long tile_step = gridDim.x;
+  struct Tile {
+    int e, m0, n0, slot_lo, cnt, num_kt;
+  };
+  auto tile_of = [&](long long v) {
+    Tile w;
+    w.e = static_cast<int>(v / per_e);
+    // grouped order inside the expert: GROUP_M m-tiles down one n-tile, then the next n-tile, so the ~one CTA per SM
+    // that run at a time read about GROUP_M A slices and SMs / GROUP_M B slices (a single row of n-tiles of a wide
+    // N, mixtral's dw13, would stream every B slice from DRAM once per m-tile)
+    constexpr int GROUP_M = 16;
+    const int rt = static_cast<int>(v % per_e);
+    const int first = (rt / (GROUP_M * tiles_n)) * GROUP_M, gsz = min(GROUP_M, tiles_m - first);
+    const int local = rt - first * tiles_n;
+    w.m0 = (first + local % gsz) * BM;
+    w.n0 = (local / gsz) * BN;
+    w.slot_lo = __ldg(offsets + w.e);
+    w.cnt = __ldg(offsets + w.e + 1) - w.slot_lo;  // the expert's slots = the reduction length
+    w.num_kt = ktile_count<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);  // tiles of KTileWalk
+    return w;
+  };
 
   if (tid == 0) {
 #pragma unroll
@@ -150,138 +164,83 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     static_assert(ROWS_W == 16 && 32 % CPA == 0 && 32 % CPB == 0, "producer warp map");
     const int lane = tid & 31, rw = (tid >> 5) * ROWS_W;
     const int ca = lane % CPA, ra = lane / CPA, cb = lane % CPB, rb = lane / CPB;
-    const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
-    const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
-    const T* Bc = B + n0 + cb * EPC;
     // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
     const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
     const unsigned b_dst = static_cast<unsigned>((cb >> 3) * ATOM_BYTES + ((cb & 7) << 4));
-    // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
-    KTileWalk<BK> walk(kblocks, e, num_kblocks, slot_lo, slot_lo + cnt);
-    auto gather_row = [&](int t0, int tend) -> int {
-      const int s = t0 + rw + (lane & 15);
-      return s < tend ? __ldg(slot_token + s) : -1;
-    };
-    int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
     if (tid == 0) {
       if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
       if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
     }
 
-    int stage = 0;
+    int stage = 0, it = 0;  // ring position; k-tiles issued over all of the CTA's tiles
     unsigned phase = 0;
-    for (int kt = 0; kt < num_kt; ++kt) {
-      const int tok = tok_next;
-      const int t0 = walk.t0, tend = walk.end();
-      walk.next();
-      if constexpr (A_GATHER || B_GATHER) {
-        if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
-      }
-      if (kt >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
-      const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
-      if constexpr (ANY_TMA) {
-        // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
-        // 64-column atom)
-        if (tid == 0) {
-          const unsigned bar = full0 + 8 * stage;
-          sm90::mbar_arrive_expect_tx(bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) : 0));
-          if constexpr (A_TMA) {
-            sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
-            sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
-          }
-          if constexpr (B_TMA && MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
-            constexpr int HA = BN / 128;
-#pragma unroll
-            for (int a = 0; a < HA; ++a) {
-              const int at = static_cast<int>(rank) * HA + a;
-              sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, t0, 0x3);
+    for (long long v = blockIdx.x; v < num_tiles; v += tile_step) {
+      const Tile w = tile_of(v);
+      const int m0 = w.m0, n0 = w.n0, num_kt = w.num_kt;
+      const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
+      const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
+      const T* Bc = B + n0 + cb * EPC;
+      // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
+      KTileWalk<BK> walk(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);
+      auto gather_row = [&](int t0, int tend) -> int {
+        const int s = t0 + rw + (lane & 15);
+        return s < tend ? __ldg(slot_token + s) : -1;
+      };
+      int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        const int tok = tok_next;
+        const int t0 = walk.t0, tend = walk.end();
+        walk.next();
+        if constexpr (A_GATHER || B_GATHER) {
+          if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
+        }
+        if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+        if constexpr (ANY_TMA) {
+          // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
+          // 64-column atom)
+          if (tid == 0) {
+            const unsigned bar = full0 + 8 * stage;
+            sm90::mbar_arrive_expect_tx(
+                bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) : 0));
+            if constexpr (A_TMA) {
+              sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
+              sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
             }
-          } else if constexpr (B_TMA) {
+            if constexpr (B_TMA && MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
+              constexpr int HA = BN / 128;
 #pragma unroll
-            for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
-              sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
+              for (int a = 0; a < HA; ++a) {
+                const int at = static_cast<int>(rank) * HA + a;
+                sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, t0, 0x3);
+              }
+            } else if constexpr (B_TMA) {
+#pragma unroll
+              for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+                sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
+            }
           }
         }
-      }
-      if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, lda, tok, t0, tend);
-      if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, ldb, tok, t0, tend);
-      sm90::producer_signal<STAGES, true>(full0, kt, stage);
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1u;
+        if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, lda, tok, t0, tend);
+        if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, ldb, tok, t0, tend);
+        sm90::producer_signal<STAGES, true>(full0, it, stage);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
+        }
       }
     }
-    sm90::producer_drain<STAGES>(full0, num_kt);
+    sm90::producer_drain<STAGES>(full0, it);
   } else {
     // ================================ consumer warpgroups ================================
     sm90::setmaxnreg_inc<sm90::CONSUMER_REGS>();
     const int cw = (tid >> 7) - 1;  // output rows [64 cw, 64 cw + 64) of the tile = A atom cw
     const int t = tid & 127;
-    float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
-    // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
-    // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Loading the
-    // accumulators with ordinary instructions makes ptxas serialize the wgmma pipeline (C7515), so only the
-    // CARRY_IN instantiation, used by the second and later chunks of a chunked backward, has that code.
-    const int ct = tid - 128;
-    float* cslice = carry + (long long)bid * (BN / 2) * 256 + ct;  // this thread's column of the CTA's slice
-    const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
-    if (carry_in) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
-    }
-
+    const int ct = tid - 128;  // 0..255 over both consumer warpgroups
+    const int lane = t & 31, wq = t >> 5;  // warp wq of the warpgroup owns fragment rows [16 wq, 16 wq + 16)
     const unsigned long long da0 = sm90::make_desc(sbase + cw * ATOM_BYTES, ATOM_BYTES, 1024);
     const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, ATOM_BYTES, 1024);
     constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
-
-    int stage = 0;
-    unsigned phase = 0;
-    // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
-    KTileWalk<BK> cwalk(kblocks, e, num_kblocks, slot_lo, slot_lo + (ANY_TMA ? cnt : 0));
-    auto zero_tail = [&](unsigned long long soff, int) {
-      if constexpr (ANY_TMA) {
-        const int valid = cwalk.end() - cwalk.t0;
-        cwalk.next();
-        if (valid < BK) {  // rows [valid, 64) of the TMA tiles hold the next slots: zero them
-          const unsigned st = sbase + static_cast<unsigned>(soff << 4);
-          constexpr int CH = ROW_BYTES / 16;  // 16-byte chunks a k-row of an atom
-          if constexpr (A_TMA) {  // this warpgroup's own A atom
-            const unsigned base = st + cw * ATOM_BYTES + valid * ROW_BYTES;
-            for (int i = t; i < (BK - valid) * CH; i += 128) sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
-          }
-          if constexpr (B_TMA) {  // every B atom, shared by both warpgroups
-            const int per = (BK - valid) * CH;
-            for (int i = ct; i < per * (BN / 64); i += 256)
-              sm90::st_shared_v4(st + C::A_BYTES + (i / per) * ATOM_BYTES + valid * ROW_BYTES + 16 * (i % per),
-                                 make_uint4(0u, 0u, 0u, 0u));
-          }
-          sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
-          // the stores all done before any wgmma reads them: the B tile is read by both warpgroups (named barrier 1
-          // of the 256 consumer threads), an A atom by its own warpgroup only (barrier 2 / 3 of its 128 threads)
-          if constexpr (B_TMA) {
-            sm90::consumer_bar_sync();
-          } else if (cw == 0) {
-            asm volatile("bar.sync 2, 128;\n" ::: "memory");
-          } else {
-            asm volatile("bar.sync 3, 128;\n" ::: "memory");
-          }
-        }
-      }
-    };
-    sm90::consumer_mainloop<STAGES>(acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase,
-                                    [&](unsigned long long soff, int kt) {
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ++ks)
-        sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
-                                               carry_in || (kt | ks) != 0);
-    }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
-    // (an expert without slots leaves zero accumulators, or the carried sums)
-    if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
-    } else {
-
-    T* oe = out + (long long)e * o_estride;
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
                        (o_estride & 7) == 0;  // every 8-element chunk of W starts 16-byte aligned
     auto store16 = [&](T* dst, uint4 v) {
@@ -292,54 +251,118 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         d4[0] = v.x; d4[1] = v.y; d4[2] = v.z; d4[3] = v.w;
       }
     };
-    const int lane = t & 31;
-    if constexpr (OUT_T) {
-      // ---- epilogue: the whole 128 x BN tile staged transposed ([BN rows n][128 m], 256 bytes a row, 16-byte
-      // chunks XOR-swizzled by n), then 16-byte stores along m of each output row n.
-      constexpr int TRB = BM * 2, TCPR = BM / EPC, TRPI = 32 / TCPR;  // 256 B rows, 16 chunks, 2 rows / instr
-      static_assert(BN * TRB <= STAGES * C::STAGE_BYTES, "transposed staging fits in the stage ring");
-      auto toff = [](int n, int m) {
-        return static_cast<unsigned>(n * TRB + ((((m >> 3) ^ (n & 15)) << 4)) + (m & 7) * 2);
+
+    int stage = 0;
+    unsigned phase = 0;
+    for (long long v = blockIdx.x; v < num_tiles; v += tile_step) {
+      const Tile w = tile_of(v);
+      const int e = w.e, m0 = w.m0, n0 = w.n0;
+      float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
+      // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
+      // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Loading the
+      // accumulators with ordinary instructions makes ptxas serialize the wgmma pipeline (C7515), so only the
+      // CARRY_IN instantiation, used by the second and later chunks of a chunked backward, has that code.
+      float* cslice = carry + v * (BN / 2) * 256 + ct;  // this thread's column of the tile's slice
+      const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
+      if (carry_in) {
+  #pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
+      }
+
+      // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
+      KTileWalk<BK> cwalk(kblocks, e, num_kblocks, w.slot_lo, w.slot_lo + (ANY_TMA ? w.cnt : 0));
+      auto zero_tail = [&](unsigned long long soff, int) {
+        if constexpr (ANY_TMA) {
+          const int valid = cwalk.end() - cwalk.t0;
+          cwalk.next();
+          if (valid < BK) {  // rows [valid, 64) of the TMA tiles hold the next slots: zero them
+            const unsigned st = sbase + static_cast<unsigned>(soff << 4);
+            constexpr int CH = ROW_BYTES / 16;  // 16-byte chunks a k-row of an atom
+            if constexpr (A_TMA) {  // this warpgroup's own A atom
+              const unsigned base = st + cw * ATOM_BYTES + valid * ROW_BYTES;
+              for (int i = t; i < (BK - valid) * CH; i += 128)
+                sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
+            }
+            if constexpr (B_TMA) {  // every B atom, shared by both warpgroups
+              const int per = (BK - valid) * CH;
+              for (int i = ct; i < per * (BN / 64); i += 256)
+                sm90::st_shared_v4(st + C::A_BYTES + (i / per) * ATOM_BYTES + valid * ROW_BYTES + 16 * (i % per),
+                                   make_uint4(0u, 0u, 0u, 0u));
+            }
+            sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
+            // the stores all done before any wgmma reads them: the B tile is read by both warpgroups (named barrier 1
+            // of the 256 consumer threads), an A atom by its own warpgroup only (barrier 2 / 3 of its 128 threads)
+            if constexpr (B_TMA) {
+              sm90::consumer_bar_sync();
+            } else if (cw == 0) {
+              asm volatile("bar.sync 2, 128;\n" ::: "memory");
+            } else {
+              asm volatile("bar.sync 3, 128;\n" ::: "memory");
+            }
+          }
+        }
       };
-      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
-        const int m = cw * 64 + r;
-        sm90::st_shared_u16(sbase + toff(c, m), sm90::pack1<T>(v0));
-        sm90::st_shared_u16(sbase + toff(c + 1, m), sm90::pack1<T>(v1));
-      });
-      sm90::consumer_bar_sync();
-      // ct: 0..255 over both consumer warpgroups
-      const int co = ct % TCPR, ro = ct / TCPR;  // chunk of m; first staged row n
-#pragma unroll 1
-      for (int nr = ro; nr < BN; nr += 256 / TCPR) {
-        const int n = n0 + nr, m = m0 + co * EPC;
-        if (n < N && m < M) store16(oe + (long long)n * ldo + m, sm90::ld_shared_v4(sbase + toff(nr, co * EPC)));
+      sm90::consumer_mainloop<STAGES>(acc, full0, empty0, w.num_kt, t, C::STAGE_BYTES, stage, phase,
+                                      [&](unsigned long long soff, int kt) {
+  #pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+          sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
+                                                 carry_in || (kt | ks) != 0);
+      }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
+      // (an expert without slots leaves zero accumulators, or the carried sums)
+      if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
+  #pragma unroll
+        for (int i = 0; i < BN / 2; ++i) cslice[i * 256] = acc[i];
+        continue;
       }
-      (void)TRPI;
-    } else {
-      // ---- epilogue: stage each warp's 16 x BN rows as T, then 16-byte row-wise stores ----------------
-      constexpr int PITCH = BN * 2 + 16;  // bytes per staged row; 16-byte pad: conflict-free fragment writes
-      constexpr int CPO = BN / EPC, RPO = 32 / CPO;  // output chunks per row, rows per warp instruction
-      static_assert(8 * 16 * PITCH <= STAGES * C::STAGE_BYTES, "staging fits in the stage ring");
-      const int wq = t >> 5;  // warp wq of the warpgroup owns rows [16 wq, 16 wq + 16)
-      const unsigned stg = sbase + static_cast<unsigned>((cw * 4 + wq) * 16 * PITCH);
-      sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
-      sm90::wg_for_each_pair<BN>(acc, t, [&](int, int r, int c, float v0, float v1) {
-        sm90::st_shared_u32(stg + (r - 16 * wq) * PITCH + c * 2, sm90::pack2<T>(v0, v1));
-      });
-      __syncwarp();
-      const int co = lane % CPO, ro = lane / CPO;
-      const int n = n0 + co * EPC;
-      const int mrow0 = m0 + cw * 64 + wq * 16;
-#pragma unroll
-      for (int i = 0; i < 16 / RPO; ++i) {
-        const int rr = RPO * i + ro;
-        const uint4 v = sm90::ld_shared_v4(stg + rr * PITCH + co * 16);
-        const int m = mrow0 + rr;
-        if (m < M && n < N) store16(oe + (long long)m * ldo + n, v);
+
+      T* oe = out + (long long)e * o_estride;
+      const int mrow0 = m0 + cw * 64 + wq * 16;  // the warp's first output row (m)
+      // ---- epilogue through the warp's own 4 KB staging outside the ring, in passes of 64 columns, while the
+      // producer fills the ring with the next tile's k-tiles
+      constexpr int P = 64, PASSES = BN / P;
+      const unsigned stg = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
+      const int fr = (lane >> 2), fc = 2 * (lane & 3);  // the thread's first fragment row in the warp, first column
+      if constexpr (OUT_T) {
+        // transposed: pass p stages columns n of [64 p, 64 p + 64) as rows of the warp's 16 m (32 bytes, pitch 48:
+        // the fragment's 2-byte writes are free of bank conflicts), then each lane stores 16-byte halves of them
+        constexpr int TP = 48;
+        static_assert(P * TP <= sm90::EPI_WARP_BYTES, "a transposed pass fits the warp's staging");
+  #pragma unroll
+        for (int pp = 0; pp < PASSES; ++pp) {
+  #pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+  #pragma unroll
+            for (int jj = 0; jj < P / 8; ++jj) {
+              const int j = pp * (P / 8) + jj, nl = 8 * jj + fc, ml = fr + 8 * hh;
+              sm90::st_shared_u16(stg + nl * TP + ml * 2, sm90::pack1<T>(acc[sm90::acc_reg(j, hh)]));
+              sm90::st_shared_u16(stg + (nl + 1) * TP + ml * 2, sm90::pack1<T>(acc[sm90::acc_reg(j, hh) + 1]));
+            }
+          __syncwarp();
+  #pragma unroll
+          for (int i = 0; i < P * 2 / 32; ++i) {
+            const int nl = 16 * i + (lane >> 1), half = lane & 1;
+            const int n = n0 + pp * P + nl, m = mrow0 + 8 * half;
+            const uint4 val = sm90::ld_shared_v4(stg + nl * TP + 16 * half);
+            if (n < N && m < M) store16(oe + (long long)n * ldo + m, val);
+          }
+          __syncwarp();
+        }
+      } else {
+  #pragma unroll
+        for (int pp = 0; pp < PASSES; ++pp)
+          sm90::staged_pass<P>(pp, fr, fc, lane,
+              [&](int hh, int j, int, unsigned off) {
+                const int r0 = sm90::acc_reg(j, hh);
+                sm90::st_shared_u32(stg + off, sm90::pack2<T>(acc[r0], acc[r0 + 1]));
+              },
+              [&](int rl, unsigned off, int col) {
+                const uint4 val = sm90::ld_shared_v4(stg + off);
+                const int m = mrow0 + rl, n = n0 + col;
+                if (m < M && n < N) store16(oe + (long long)m * ldo + n, val);
+              });
       }
-    }
-    }  // not carry_out
+    }  // tiles
   }
   if constexpr (CLUSTER > 1) sm90::cluster_sync();  // no remote arrival or multicast into a CTA that has exited
 #else
