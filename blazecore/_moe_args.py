@@ -28,7 +28,7 @@ M_GROUPED = _struct(
 K_GROUPED = _struct(
     [(n, _PTR) for n in ("A", "B", "slot_token", "offsets", "kblocks", "out", "carry", "carry_seen")]
     + [(n, _I64) for n in ("lda", "ldb", "ldo", "o_estride")]
-    + [(n, _I32) for n in ("num_experts", "M", "N", "num_kblocks", "carry_in", "carry_out")]
+    + [(n, _I32) for n in ("num_experts", "M", "N", "num_kblocks", "carry_in", "carry_out", "a_off32", "b_off32")]
 )
 
 STRUCTS = {"MGroupedArgs": M_GROUPED, "KGroupedArgs": K_GROUPED}

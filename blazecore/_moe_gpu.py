@@ -492,6 +492,12 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 
+def _off32(a, ld) -> bool:
+    """Whether every byte offset into the rows of ``a`` (row stride ``ld`` elements) from its pointer fits 32 bits:
+    the weight-gradient producer then addresses a copy's source with one 32-bit multiply-add."""
+    return a.shape[0] * int(ld) * a.dtype.itemsize <= 0xFFFFFFFF
+
+
 def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,
               num_kblocks, carry=None, carry_seen=None, flags=0, stage=None):
     """One K-grouped GEMM (dw13, dw2; dw13s, dw2s with ``stage``, a :class:`_Staged` that A's gathered rows are
@@ -506,7 +512,8 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
     args = _moe_args.pack(
         _moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets, kblocks=kblocks,
         out=out, carry=carry, carry_seen=carry_seen, lda=lda, ldb=ldb, ldo=ldo, o_estride=o_estride, num_experts=E,
-        M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out)
+        M=M, N=N, num_kblocks=num_kblocks, carry_in=carry_in, carry_out=carry_out, a_off32=_off32(A, lda),
+        b_off32=_off32(B, ldb))
     extra, b_load, cluster = (), None, 1
     if kern.sm90:  # B (by slot) by TMA where it can go so; staged A rows by TMA
         bmap = _rows_map(kern, B, ldb, N, 64)

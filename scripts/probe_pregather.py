@@ -47,7 +47,7 @@ def _launch_pregathered(G, kern, which, grid, stream, a_g, kw):
             _moe_args.K_GROUPED, A=a_g, B=kw["B"], slot_token=disp.slot_token, offsets=disp.expert_offsets,
             kblocks=kw["kblocks"], out=kw["out"], carry=None, carry_seen=None, lda=kw["M"], ldb=kw["ldb"],
             ldo=kw["ldo"], o_estride=kw["o_estride"], num_experts=kw["E"], M=kw["M"], N=kw["N"],
-            num_kblocks=kw["num_kblocks"], carry_in=False, carry_out=False)
+            num_kblocks=kw["num_kblocks"], carry_in=False, carry_out=False, a_off32=0, b_off32=0)
         extra = (G._rows_map(kern, a_g, kw["M"], kw["M"], 64), G._rows_map(kern, kw["B"], kw["ldb"], kw["N"], 64))
     assert all(m is not None for m in extra), "a tensor map the probe needs"
     fn = _compile.get_function(kv.file, name, module_names=[name], max_dynamic_smem=kv.smem)

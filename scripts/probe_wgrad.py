@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     def launch(fn, grid, A, lda, B, ldb, disp, E, M, N, out, ldo, oes, ma, mb, stream, blk):
         args_ = _moe_args.pack(_moe_args.K_GROUPED, A=A, B=B, slot_token=disp.slot_token, offsets=disp.expert_offsets,
                                kblocks=blk[0], out=out, carry=None, carry_seen=None, lda=lda, ldb=ldb, ldo=ldo,
-                               o_estride=oes, num_experts=E, M=M, N=N, num_kblocks=blk[1], carry_in=0, carry_out=0)
+                               o_estride=oes, num_experts=E, M=M, N=N, num_kblocks=blk[1], carry_in=0, carry_out=0,
+                               a_off32=0, b_off32=0)
         fn((int(grid),), (G.NTHREADS90,), (args_, ma, mb), shared_mem=smem, stream=stream)
 
     rows = []

@@ -50,7 +50,8 @@ template <typename T> struct KGroupedArgs {
   int num_experts, M, N, num_kblocks;
   int carry_in;              // continue the sums an earlier launch left in carry (experts in carry_seen)
   int carry_out;             // leave the fp32 sums in carry for a later launch instead of writing W
-  static constexpr int FIELDS = 18;
+  int a_off32, b_off32;      // every byte offset into A's (B's) rows from its pointer fits 32 bits (shorter addressing)
+  static constexpr int FIELDS = 20;
 };
 
 }  // namespace blz

@@ -48,27 +48,39 @@ namespace blz {
 // barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a stage.
 // The producer's cp.async copies of one operand's k-tile: this warp's k-rows [rw, rw + ROWS_W), RP k-rows a warp
 // instruction (lane sub = lane / chunks-per-row picks its k-row of the RP); dst: the lane's chunk position in the
-// tile (XORed with k-row % 8), col: its column in row 0 of the source. The source row of k-row r is the gather
-// index (GATHER: held by lane r % 16, see gather_row) or slot t0 + r; rows past the reduction tile [t0, tend) and
-// columns out of range (col_ok false) are zero-filled by st.shared (cp_async16_or_zero; the caller's producer_signal
-// orders those stores).
+// tile (XORed with k-row % 8), col_b: its column in row 0 of the source, in bytes from base. The source row of k-row r
+// is the gather index (GATHER: held by lane r % 16, see gather_row) or slot t0 + r; rows past the reduction tile
+// [t0, tend) and columns out of range (col_ok false) are zero-filled (src-size 0).
 template <int RP, int ROWS_W, bool GATHER, typename T>
 __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int sub, int rw, bool col_ok,
-                                                const T* col, long long ld, int tok, int t0, int tend) {
+                                                const T* base, unsigned col_b, unsigned long long ld_bytes,
+                                                bool off32, int tok, int t0, int tend) {
+  // The copies' address arithmetic is most of the producer's instructions, which bound the gathered kernels: where
+  // every byte offset into the operand fits 32 bits (off32, warp-uniform) a row's source is one 32-bit multiply-add
+  // off the operand's base, else a 32 x 64-bit one; rows past the tile and columns out of range take the src-size
+  // form's zero fill (no shared-memory store beside the copies: ptxas then puts no dummy loads around them).
+  const char* b0 = reinterpret_cast<const char*>(base);
+  const unsigned ld32 = static_cast<unsigned>(ld_bytes);
+  auto copies = [&](auto narrow) {
 #pragma unroll
-  for (int i = 0; i < ROWS_W / RP; ++i) {
-    const int rl = RP * i + sub;  // k-row within the warp's ROWS_W
-    const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
-    int row;
-    if constexpr (GATHER) {
-      row = __shfl_sync(0xffffffffu, tok, rl);
-    } else {
-      row = (t0 + r < tend) ? t0 + r : -1;
+    for (int i = 0; i < ROWS_W / RP; ++i) {
+      const int rl = RP * i + sub;  // k-row within the warp's ROWS_W
+      const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
+      int row;
+      if constexpr (GATHER) {
+        row = __shfl_sync(0xffffffffu, tok, rl);
+      } else {
+        row = (t0 + r < tend) ? t0 + r : -1;
+      }
+      const bool ok = col_ok && row >= 0;
+      const char* src = decltype(narrow)::value
+                            ? b0 + (static_cast<unsigned>(row) * ld32 + col_b)
+                            : b0 + col_b + static_cast<unsigned long long>(static_cast<unsigned>(row)) * ld_bytes;
+      const unsigned d = tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4));
+      sm90::cp_async16_s(d, ok ? src : b0, ok ? 16 : 0);  // src-size 0: 16 zero bytes
     }
-    const bool ok = col_ok && row >= 0;
-    sm90::cp_async16_or_zero(tile + r * sm90::ROW_BYTES + (dst ^ static_cast<unsigned>((rl & 7) << 4)),
-                             col + (long long)row * ld, ok);
-  }
+  };
+  if (off32) copies(sm90::BoolC<true>{}); else copies(sm90::BoolC<false>{});
 }
 
 // CLUSTER = 2 (moe_wgrad_sm90_x2, B_TMA only): CTAs 2u and 2u + 1 form a cluster and take m-tiles 2j and 2j + 1 of one
@@ -145,8 +157,8 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      // one or two per producer thread (producer_signal<.., true>) + the TMA expect_tx
-      sm90::mbar_init(full0 + 8 * s, 128 * sm90::producer_arrivals(true) + (ANY_TMA ? 1 : 0));
+      // one per producer thread (producer_signal) + the TMA expect_tx
+      sm90::mbar_init(full0 + 8 * s, 128 + (ANY_TMA ? 1 : 0));
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS * MC);  // one arrival per consumer warp (cluster)
     }
     if constexpr (CLUSTER > 1) sm90::fence_mbarrier_init_cluster();
@@ -167,6 +179,9 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     // atom and chunk of this lane's column; the chunk is XORed with (k-row % 8) per copy
     const unsigned a_dst = static_cast<unsigned>((ca >> 3) * ATOM_BYTES + ((ca & 7) << 4));
     const unsigned b_dst = static_cast<unsigned>((cb >> 3) * ATOM_BYTES + ((cb & 7) << 4));
+    const unsigned long long lda_b = static_cast<unsigned long long>(lda) * sizeof(T);  // row strides in bytes
+    const unsigned long long ldb_b = static_cast<unsigned long long>(ldb) * sizeof(T);
+    const bool a_off32 = p.a_off32 != 0, b_off32 = p.b_off32 != 0;
     if (tid == 0) {
       if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
       if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
@@ -178,8 +193,9 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
       const Tile w = tile_of(v);
       const int m0 = w.m0, n0 = w.n0, num_kt = w.num_kt;
       const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
-      const T* Ac = A + m0 + ca * EPC;  // this lane's column in row 0
-      const T* Bc = B + n0 + cb * EPC;
+      // this lane's column in row 0, in bytes from the operand's start
+      const unsigned a_colb = static_cast<unsigned>((m0 + ca * EPC) * sizeof(T));
+      const unsigned b_colb = static_cast<unsigned>((n0 + cb * EPC) * sizeof(T));
       // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
       KTileWalk<BK> walk(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);
       auto gather_row = [&](int t0, int tend) -> int {
@@ -221,9 +237,11 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
             }
           }
         }
-        if constexpr (!A_TMA) wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, Ac, lda, tok, t0, tend);
-        if constexpr (!B_TMA) wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, Bc, ldb, tok, t0, tend);
-        sm90::producer_signal<STAGES, true>(full0, it, stage);
+        if constexpr (!A_TMA)
+          wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, A, a_colb, lda_b, a_off32, tok, t0, tend);
+        if constexpr (!B_TMA)
+          wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, B, b_colb, ldb_b, b_off32, tok, t0, tend);
+        sm90::producer_signal<STAGES>(full0, it, stage);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1u;

@@ -95,10 +95,8 @@ __device__ __forceinline__ void wg_for_each_gated_pair(const float (&acc)[N / 2]
 // Default: the stage's full barrier completes when every producer thread's copies have landed
 // (cp.async.mbarrier.arrive.noinc); the consumers fence into the async proxy after their wait.
 // BLZ_SM90_PRODUCER_FENCE: the producer waits for tile kt - LAG itself, fences, then arrives.
-// ZERO_STORES: the thread zero-fills with st.shared (cp_async16_or_zero), and a second, release arrival orders those
-// stores before the consumers' acquire. Arrivals on a stage's full barrier per producer thread:
-__host__ __device__ constexpr int producer_arrivals(bool zero_stores) { return (zero_stores && !BLZ_SM90_PRODUCER_FENCE) ? 2 : 1; }
-template <int STAGES, bool ZERO_STORES = false>
+// One arrival per producer thread and k-tile either way.
+template <int STAGES>
 __device__ __forceinline__ void producer_signal(unsigned full0, int kt, int stage) {
 #if BLZ_SM90_PRODUCER_FENCE
   constexpr int LAG = STAGES - 2;
@@ -110,7 +108,6 @@ __device__ __forceinline__ void producer_signal(unsigned full0, int kt, int stag
   }
 #else
   cp_async_arrive_noinc(full0 + 8 * stage);
-  if constexpr (producer_arrivals(ZERO_STORES) == 2) mbar_arrive(full0 + 8 * stage);
 #endif
 }
 

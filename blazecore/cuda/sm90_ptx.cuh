@@ -26,17 +26,6 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 __device__ __forceinline__ void cp_async16_plain(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-// The weight-gradient producer's copy: the plain 16-byte cp.async of src when ok, else 16 zero bytes stored by this
-// thread (st.shared), which its producer_signal<.., true> orders before the consumers' reads with a release arrival.
-// The weight gradients ran 3-9% faster so than with the src-size form for every copy; the M-grouped kernels slower
-// (docs/sm90_kernels.md), so they keep cp_async16_s.
-__device__ __forceinline__ void cp_async16_or_zero(unsigned dst, const void* src, bool ok) {
-  if (ok) {
-    cp_async16_plain(dst, src);
-  } else {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0u) : "memory");
-  }
-}
 // Arrive on the mbarrier once every cp.async this thread issued so far has landed (count not raised).
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
