@@ -1146,7 +1146,8 @@ def test_sm90_wgrad_persistent_grids_gpu(which, cluster, monkeypatch):
     """The sm_90a weight-gradient kernels are persistent: each CTA (or 2-CTA cluster) walks the tiles with a stride of
     the grid, its stage ring running on from tile to tile while each tile's epilogue goes out through the warps' own
     staging. Any grid must give the bits of one tile a CTA: 1, 3 and 7 CTAs (clusters) walk 5 experts' 12 tiles each
-    (one expert without slots, reductions off the 64-slot tiles), and every expert matches a float64 reference."""
+    (one expert without slots, reductions off the 64-slot tiles), and every expert matches a float64 reference. The
+    producer's 64-bit addressing (operands past 2^32 bytes; forced here) gives the same bits as its 32-bit one."""
     import cupy
 
     from blazecore import _moe_gpu
@@ -1165,10 +1166,13 @@ def test_sm90_wgrad_persistent_grids_gpu(which, cluster, monkeypatch):
     stream = cupy.cuda.get_current_stream()
     kern = _moe_gpu._Kernels(BF16, "swiglu", b_load="tma")
     outs = {}
-    for ctas in (None, 1, 3, 7):  # None: the full grid, one tile a CTA
-        monkeypatch.setattr(_moe_gpu, "_persistent_grid", lambda g, n=ctas: g if n is None else min(g, n))
+    for ctas in (None, 1, 3, 7, "wide"):  # None: the full grid, one tile a CTA; "wide": 64-bit addressing, 3 CTAs
+        if ctas == "wide":
+            monkeypatch.setattr(_moe_gpu, "_off32", lambda a, ld: False)
+        n_ctas = 3 if ctas == "wide" else ctas
+        monkeypatch.setattr(_moe_gpu, "_persistent_grid", lambda g, n=n_ctas: g if n is None else min(g, n))
         monkeypatch.setattr(_moe_gpu, "_persistent_cluster_grid",
-                            lambda fn, kv, g, cl, n=ctas: g if n is None else min(g, cl * n))
+                            lambda fn, kv, g, cl, n=n_ctas: g if n is None else min(g, cl * n))
         s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
         if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
             out = cupy.full((E, M, d), 0x7FC0, np.uint16)  # NaN: a tile never written shows
