@@ -175,12 +175,17 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), desc);
         sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
       }
-      // Source rows are kept as 32-bit row indices (-1: past the expert's slots, zero-filled).
-      int a_row[BM / 16];
+      // Source rows as pointers to this thread's chunk of k-column 0 (a row past the expert's slots: bit i of a_ok
+      // clear, zero-filled), so a k-tile's copy addresses are one add each: the per-copy 64-bit row arithmetic was
+      // most of the producer's instructions, which bound the gathered GEMMs
+      const char* a_src[BM / 16];
+      unsigned a_ok = 0;
 #pragma unroll
       for (int i = 0; i < BM / 16; ++i) {
         const int s = m0 + r0 + 16 * i;
-        a_row[i] = (!A_TMA && s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+        const int row = (!A_TMA && s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
+        a_ok |= (row >= 0 ? 1u : 0u) << i;
+        a_src[i] = reinterpret_cast<const char*>(A + (long long)(row >= 0 ? row : 0) * lda + cc * EPC);
       }
       // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
       // the up rows bup + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
@@ -235,21 +240,22 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const int k0 = kt * BK;
         const int kc = k0 + cc * EPC;
         const bool kok = kc < Kd;
+        const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);  // the k-tile's byte offset in a row
         if constexpr (!A_TMA) {
           // a k-tile of a whole m-tile (every row a slot of the expert, every column inside Kd: the same for every
           // thread of the CTA) reads with the plain form; the others zero-fill with the src-size form
           if (BLZ_SM90_PLAIN_A && m0 + BM <= m_end && k0 + BK <= Kd) {
 #pragma unroll
             for (int i = 0; i < BM / 16; ++i) {
-              const T* src = A + (long long)a_row[i] * lda + kc;
+              const T* src = reinterpret_cast<const T*>(a_src[i] + kb);
               sm90::cp_async16_plain(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src);
               if constexpr (A2) sm90::cp_async16_plain(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw, src + Kd);
             }
           } else {
 #pragma unroll
             for (int i = 0; i < BM / 16; ++i) {
-              const bool ok = kok && a_row[i] >= 0;
-              const T* src = ok ? A + (long long)a_row[i] * lda + kc : A;
+              const bool ok = kok && ((a_ok >> i) & 1u);
+              const T* src = ok ? reinterpret_cast<const T*>(a_src[i] + kb) : A;
               sm90::cp_async16_s(as + (r0 + 16 * i) * ROW_BYTES + a_sw, src, ok ? 16 : 0);
               if constexpr (A2) sm90::cp_async16_s(as + C::A_BYTES + (r0 + 16 * i) * ROW_BYTES + a_sw,
                                                    ok ? src + Kd : A, ok ? 16 : 0);
