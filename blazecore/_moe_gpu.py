@@ -78,8 +78,9 @@ OUT_STORES = ("tma", "st_global")
 OUT_STORE = "tma"
 # The sm_90a weight gradients in 2-CTA clusters (moe_wgrad_sm90_x2): the CTAs of two m-tiles of one (expert, n-tile)
 # each load half of the slot-indexed B tile by TMA and multicast it to both, halving the B bytes each SM reads from
-# L2 (the m-tile count must be even, and the gathered rows not staged; else one CTA a tile). BLAZECORE_SM90_CLUSTER
-# ("1" or "2") overrides it.
+# L2 (the m-tile count must be even, and the gathered rows not staged; else single CTAs). Both forms are persistent
+# (one CTA per SM, or as many clusters as are resident, walk the tiles). BLAZECORE_SM90_CLUSTER ("1" or "2") overrides
+# it.
 WGRAD_CLUSTERS = (1, 2)
 WGRAD_CLUSTER = 2
 
@@ -524,7 +525,7 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         extra = (_tma.null_map() if amap is None else amap, _tma.null_map() if bmap is None else bmap)
         # 2-CTA clusters multicasting B: the CTAs of m-tiles 2j and 2j + 1 pair up where every expert has an even
         # number of m-tiles (the grid's grouped order then puts them side by side)
-        # (the staged-row roles, A by TMA too, measured 2-3% slower so: one CTA a tile)
+        # (the staged-row roles, A by TMA too, measured 2-3% slower so: single CTAs)
         cluster = kern.wgrad_cluster if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
     if kern.sm90:  # persistent: at most one CTA per SM (or as many clusters as are resident at once) walk the tiles
