@@ -495,8 +495,9 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
 
 def _off32(a, ld) -> bool:
     """Whether every byte offset into the rows of ``a`` (row stride ``ld`` elements) from its pointer fits 32 bits:
-    the weight-gradient producer then addresses a copy's source with one 32-bit multiply-add."""
-    return a.shape[0] * int(ld) * a.dtype.itemsize <= 0xFFFFFFFF
+    the weight-gradient producer then addresses a copy's source with one 32-bit multiply-add. (A 16-byte copy of the
+    last row starts at most rows * ld bytes - 16 in.)"""
+    return a.shape[0] * int(ld) * a.dtype.itemsize <= 2 ** 32
 
 
 def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,

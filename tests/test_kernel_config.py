@@ -160,3 +160,42 @@ def test_every_launchable_kernel_is_registered(arch):
                 assert name in _compile.KERNELS[_moe_gpu._FILE_HELPERS], name
     want = {_moe_gpu._FILE, _moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90} if arch == "sm_90a" else {_moe_gpu._FILE}
     assert seen == want
+
+
+def test_weight_gradient_addressing_width_follows_the_operand_extent():
+    """The weight-gradient producer takes its 32-bit addressing only where every byte offset into the operand's rows
+    (row count x row stride x element size, from its pointer) fits 32 bits; one byte more takes the 64-bit form."""
+    def rows(n, ld, dt=np.float16):
+        return _array.Placeholder((n, ld), dt)
+
+    assert _moe_gpu._off32(rows(1024, 2048), 2048)
+    assert _moe_gpu._off32(rows(2 ** 20, 2048), 2048)  # 2^32 bytes: the last copy starts at 2^32 - 16
+    assert not _moe_gpu._off32(rows(2 ** 20 + 1, 2048), 2048)
+    assert not _moe_gpu._off32(rows(2 ** 19, 2048, np.float32), 4096)  # a wider row stride than the view's width counts
+    assert _moe_gpu._off32(rows(2 ** 18, 1024, np.float32), 4096)
+
+
+def test_persistent_cluster_grid_takes_the_resident_clusters(monkeypatch):
+    """The persistent 2-CTA weight gradients start as many clusters as the driver says are resident (never more than
+    the tiles, at least one), and the full grid where it cannot say (0), so a cluster never waits for another wave."""
+    monkeypatch.setattr(_array, "dry", lambda: None)
+    kv = _moe_gpu.KernelVariant("f", "n", 384, 128, 256, 4, 230672)
+    for resident, grid, want in ((66, 4096, 132), (66, 40, 40), (65, 4096, 130), (0, 4096, 4096), (66, 2, 2)):
+        monkeypatch.setattr(_compile, "max_active_clusters", lambda fn, t, s, c, n=resident: n)
+        assert _moe_gpu._persistent_cluster_grid(None, kv, grid, 2) == want, (resident, grid)
+
+
+def test_cluster_occupancy_is_zero_without_a_driver(monkeypatch):
+    """max_active_clusters answers 0 ("cannot say") where libcuda cannot be loaded, instead of raising."""
+    import ctypes
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: not found")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    monkeypatch.setattr(_compile, "_cluster_occupancy", {})
+
+    class Fn:
+        ptr = 12345
+
+    assert _compile.max_active_clusters(Fn(), 384, 230672, 2) == 0
