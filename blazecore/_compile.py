@@ -196,6 +196,15 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
 _cluster_occupancy: dict = {}
 
 
+@lru_cache(maxsize=None)
+def libcuda():
+    """The CUDA driver library through ctypes (for the entry points CuPy's bindings do not expose); OSError where it
+    cannot be loaded."""
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def max_active_clusters(fn, threads: int, smem: int, cluster: int) -> int:
     """How many clusters of ``cluster`` CTAs of ``fn`` (a CuPy Function whose kernel has compile-time cluster
     dimensions) the current device holds at once with ``threads`` threads and ``smem`` bytes of dynamic shared memory
@@ -214,7 +223,7 @@ def max_active_clusters(fn, threads: int, smem: int, cluster: int) -> int:
                     ("numAttrs", ctypes.c_uint)]
 
     try:
-        query = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+        query = libcuda().cuOccupancyMaxActiveClusters
     except (OSError, AttributeError):
         return 0
     query.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]

@@ -243,17 +243,15 @@ def _stages90(bn=BN90, a_tiles=1):
     return 3 if a_tiles == 2 else 4 if bn == 256 else 6
 
 
-def _smem90(bn=BN90, staging=True, a_tiles=1):
-    """sm90::Cfg<bn, staging, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A
-    tiles of 128 rows and one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256
-    and 6 at 128), then
-    for the M-grouped kernels (staging) 8 warps' epilogue staging (4 KB each); the mbarriers (2 per stage, + 1
-    epilogue-done and 8 tile-descriptor ones with staging; the end rounded to 16 bytes) and, with staging, 8 tile
-    descriptors of 16 bytes."""
+def _smem90(bn=BN90, a_tiles=1):
+    """sm90::Cfg<bn, a_tiles, _stages90(bn, a_tiles)>::SMEM_BYTES: alignment slack, the stage ring (a_tiles A tiles of
+    128 rows and one B tile of bn rows a stage, 128 bytes a row; 3 stages with two A tiles, else 4 at bn 256 and 6 at
+    128), the 8 consumer warps' epilogue staging (4 KB each), the mbarriers (2 per stage, 1 epilogue-done, 8
+    tile-descriptor ones; the end rounded to 16 bytes) and 8 tile descriptors of 16 bytes. Every sm_90a kernel has
+    this layout (the weight gradients leave the epilogue-done barrier and the descriptors unused)."""
     stages = _stages90(bn, a_tiles)
-    nbar = 2 * stages + (9 if staging else 0)
-    epi = 8 * 4096 if staging else 0
-    return 1024 + stages * (128 * a_tiles + bn) * 128 + epi + -(-8 * nbar // 16) * 16 + (16 * 8 if staging else 0)
+    nbar = 2 * stages + 9
+    return 1024 + stages * (128 * a_tiles + bn) * 128 + 8 * 4096 + -(-8 * nbar // 16) * 16 + 16 * 8
 
 
 # The sm_90a M-grouped kernels: shared memory with the epilogue staging area, launched persistent (one CTA per SM).
@@ -360,10 +358,7 @@ class _Kernels:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
             name = _name90(self.ct, which, v, carry_in, b_load or self.b_load, cluster)
-            # every sm_90a kernel stages its epilogue outside the ring (the weight gradients leave the tile
-            # descriptors unused)
-            return KernelVariant(file, name, NTHREADS90, BM, BN90, _stages90(BN90, a_tiles),
-                                 _smem90(BN90, True, a_tiles))
+            return KernelVariant(file, name, NTHREADS90, BM, BN90, _stages90(BN90, a_tiles), _smem90(BN90, a_tiles))
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
 

@@ -36,8 +36,9 @@ class TmaError(RuntimeError):
 def _encoder():
     global _encode
     if _encode is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuTensorMapEncodeTiled
+        from . import _compile
+
+        fn = _compile.libcuda().cuTensorMapEncodeTiled
         u32, u64p, u32p = ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]

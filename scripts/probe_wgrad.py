@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
     ct = "__nv_bfloat16"
     BN = G.BN90
-    smem = G._smem90(BN, staging=True)
+    smem = G._smem90(BN)
     names = {
         ("dw13", "wide_gather"): G._wgrad90_name(ct, False, True, a_tma=True),
         ("dw13", "narrow_gather"): G._wgrad90_name(ct, True, False, out_t=True, b_tma=True),

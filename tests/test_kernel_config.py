@@ -41,9 +41,9 @@ def _sm80_asserts() -> list[str]:
 def _sm90_asserts() -> list[str]:
     G = _moe_gpu
     out = [f"blz::sm90::THREADS == {G.NTHREADS90}", f"blz::sm90::BM == {G.BM}"]
-    for bn, staging, a_tiles in itertools.product((128, 256), (False, True), (1, 2)):
-        cfg = f"blz::sm90::Cfg<{bn}, {'true' if staging else 'false'}, {a_tiles}, {G._stages90(bn, a_tiles)}>"
-        out.append(f"{cfg}::SMEM_BYTES == {G._smem90(bn, staging, a_tiles)}")
+    for bn, a_tiles in itertools.product((128, 256), (1, 2)):
+        cfg = f"blz::sm90::Cfg<{bn}, {a_tiles}, {G._stages90(bn, a_tiles)}>"
+        out.append(f"{cfg}::SMEM_BYTES == {G._smem90(bn, a_tiles)}")
     return out
 
 
@@ -62,13 +62,13 @@ def test_launcher_constants_match_the_kernels(include, asserts, arch):
 def test_a_ring_too_deep_for_shared_memory_fails_to_compile():
     """The layout refuses a stage count whose ring does not fit a CTA's shared memory."""
     with pytest.raises(_compile.CompileError, match="fit a CTA"):
-        _compile.compile_source(_source("sm90_common.cuh", ["blz::sm90::Cfg<256, true, 1, 5>::SMEM_BYTES > 0"]),
+        _compile.compile_source(_source("sm90_common.cuh", ["blz::sm90::Cfg<256, 1, 5>::SMEM_BYTES > 0"]),
                                 "kernel_config_check.cu", (), "sm_90a")
 
 
 def test_a_drifted_constant_fails_to_compile():
     """The check can fail: one shared-memory figure off by 16 bytes is a compile error naming it."""
-    bad = f"blz::sm90::Cfg<256, true, 1, 4>::SMEM_BYTES == {_moe_gpu._smem90(256, True, 1) + 16}"
+    bad = f"blz::sm90::Cfg<256, 1, 4>::SMEM_BYTES == {_moe_gpu._smem90(256, 1) + 16}"
     with pytest.raises(_compile.CompileError, match="SMEM_BYTES"):
         _compile.compile_source(_source("sm90_common.cuh", [bad]), "kernel_config_check.cu", (), "sm_90a")
 
@@ -187,12 +187,10 @@ def test_persistent_cluster_grid_takes_the_resident_clusters(monkeypatch):
 
 def test_cluster_occupancy_is_zero_without_a_driver(monkeypatch):
     """max_active_clusters answers 0 ("cannot say") where libcuda cannot be loaded, instead of raising."""
-    import ctypes
+    def no_driver():
+        raise OSError("libcuda.so.1: not found")
 
-    def no_driver(name, *a, **k):
-        raise OSError(f"{name}: not found")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    monkeypatch.setattr(_compile, "libcuda", no_driver)
     monkeypatch.setattr(_compile, "_cluster_occupancy", {})
 
     class Fn:

@@ -1089,6 +1089,25 @@ def test_act_in_operand_must_be_bool():
         moe.moe_forward(inp["x"], inp["w13"], inp["w2"], inp["gates"], inp["ids"], act_in_operand="yes")
 
 
+def _sm90_wgrad(kern, which, S, X, disp, E, K, blk, nb, stream, fill):
+    """One sm_90a weight gradient by the layer's launcher, as float64 (E, M, d): dw13_e (M, d) = S_e^T X_g (S = dz,
+    M = 2h) or dw2_e (d, M) = X_g^T S_e (X = dy, S = g * hcur, M = h), returned transposed; the output starts as
+    ``fill`` (bf16 bits) everywhere."""
+    import cupy
+
+    from blazecore import _moe_gpu
+
+    M, d = S.shape[1], X.shape[1]
+    s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
+    if which == "dw13":
+        out = cupy.full((E, M, d), fill, np.uint16)
+        _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, blk, nb, stream, None, 0, 0)
+        return cupy.asnumpy(out).view(BF16).astype(np.float64)
+    out = cupy.full((E, d, M), fill, np.uint16)
+    _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, blk, nb, stream)
+    return cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_tokens", [pytest.param(None, id="one_block"), pytest.param(8, id="blocks_of_8")])
 @pytest.mark.parametrize("which", ["dw13", "dw2"])
@@ -1120,15 +1139,7 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens, monkeypatch):
         kern = _moe_gpu._Kernels(BF16, "swiglu", b_load=b_load)
         blk, nb = (None, 0) if block_tokens is None else _moe_gpu._block_starts(kern, disp, E, L, block_tokens,
                                                                                 stream)
-        s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
-        if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
-            out = cupy.zeros((E, M, d), np.uint16)
-            _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, blk, nb, stream, None, 0, 0)
-            outs[b_load, cluster] = cupy.asnumpy(out).view(BF16).astype(np.float64)
-        else:  # dw2_e (d, M) = dy_g^T (g hcur)_e
-            out = cupy.zeros((E, d, M), np.uint16)
-            _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, blk, nb, stream)
-            outs[b_load, cluster] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+        outs[b_load, cluster] = _sm90_wgrad(kern, which, S, X, disp, E, K, blk, nb, stream, 0)
     s64, x64 = S.astype(np.float64), X.astype(np.float64)
     for e in (0, 2):
         s0, s1 = offsets[e], offsets[e + 1]
@@ -1173,15 +1184,8 @@ def test_sm90_wgrad_persistent_grids_gpu(which, cluster, monkeypatch):
         monkeypatch.setattr(_moe_gpu, "_persistent_grid", lambda g, n=n_ctas: g if n is None else min(g, n))
         monkeypatch.setattr(_moe_gpu, "_persistent_cluster_grid",
                             lambda fn, kv, g, cl, n=n_ctas: g if n is None else min(g, cl * n))
-        s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
-        if which == "dw13":  # dw13_e (M, d) = dz_e^T x_g
-            out = cupy.full((E, M, d), 0x7FC0, np.uint16)  # NaN: a tile never written shows
-            _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, 0, 0, M, E, d, K, None, 0, stream, None, 0, 0)
-            outs[ctas] = cupy.asnumpy(out).view(BF16).astype(np.float64)
-        else:  # dw2_e (d, M) = dy_g^T (g hcur)_e
-            out = cupy.full((E, d, M), 0x7FC0, np.uint16)
-            _moe_gpu._dw2_slice(kern, s_dev, x_dev, out, disp, 0, E, d, M, None, 0, stream)
-            outs[ctas] = cupy.asnumpy(out).view(BF16).astype(np.float64).transpose(0, 2, 1)
+        # NaN fill: a tile never written shows
+        outs[ctas] = _sm90_wgrad(kern, which, S, X, disp, E, K, None, 0, stream, 0x7FC0)
     s64, x64 = S.astype(np.float64), X.astype(np.float64)
     for e in range(E):
         s0, s1 = offsets[e], offsets[e + 1]

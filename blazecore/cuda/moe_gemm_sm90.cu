@@ -53,7 +53,7 @@ namespace blz {
 // T is __nv_bfloat16 or __half.
 // Launch: any grid (persistent: the CTAs share out the tile_offsets[E] * tiles_n tiles, tiles_n = ceil(N / (GATED ?
 // BN/2 : BN))); one CTA per SM is what the launcher uses. block = sm90::THREADS (384), dynamic shared memory =
-// sm90::Cfg<BN, true, A tiles, STAGES>::SMEM_BYTES (STAGES: the ring's depth, the launcher's choice). Precondition:
+// sm90::Cfg<BN, A tiles, STAGES>::SMEM_BYTES (STAGES: the ring's depth, the launcher's choice). Precondition:
 // Kd > 0.
 // B_TMA: the B tile comes by TMA (tmap_b, see below) instead of cp.async; the gathered A rows stay on cp.async.
 // A_TMA (with B_TMA, for a slot-ordered A: the second GEMM's hcur, dx's dz): the A tile comes by TMA too (tmap_a: 2-D
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   static_assert(!A_ACT || (EPI == EPI_ROWSCALE && !A_GATHER), "A_ACT: the second GEMM's slot-ordered A only");
   static_assert(!A_TMA || (B_TMA && !A_GATHER && !A_ACT), "A_TMA: a slot-ordered A beside a TMA B");
   constexpr bool A2 = A_ACT && act_gated(ACT);  // two A tiles a stage: gate and up
-  using C = sm90::Cfg<BN, true, A2 ? 2 : 1, STAGES>;
+  using C = sm90::Cfg<BN, A2 ? 2 : 1, STAGES>;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
   static_assert(!(B_TMA && GATED && !B_KMAJOR), "TMA B: gated tiles need K-major weights");

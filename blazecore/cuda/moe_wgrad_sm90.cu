@@ -33,7 +33,7 @@ namespace blz {
 // Arguments: moe_gemm's (MODE_K), KGroupedArgs (moe_args.cuh), then the tensor maps; CARRY_IN instantiates the
 // launch whose args.carry_in is set.
 // Launch: grid <= E * ceil(M / 128) * ceil(N / BN) (even for clusters), block = sm90::THREADS (384),
-// dynamic shared memory = sm90::Cfg<BN, true, 1, STAGES>::SMEM_BYTES (230672 bytes for BN = 256 and 4 stages).
+// dynamic shared memory = sm90::Cfg<BN, 1, STAGES>::SMEM_BYTES (230672 bytes for BN = 256 and 4 stages).
 
 // OUT_T: store the tile transposed, out[e][n][m] (the launcher computes dw13 = dz^T x_g as W^T = x_g^T dz, so
 // that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
@@ -115,7 +115,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
   // the M-grouped kernels' layout: the consumer warps' 4 KB epilogue staging after the ring (its tile descriptors and
   // epilogue-done barrier stay unused), so the producer fills the next tile's stages during an epilogue
-  using C = sm90::Cfg<BN, true, 1, STAGES>;
+  using C = sm90::Cfg<BN, 1, STAGES>;
   constexpr int EPC = 8;                         // elements per 16-byte chunk
   constexpr int ATOM_BYTES = BK * ROW_BYTES;     // [64 slots][64 columns], 8 KB
   static_assert(BM == 64 * sm90::CONSUMER_WGS, "one A atom per consumer warpgroup");

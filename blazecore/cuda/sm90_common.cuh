@@ -29,12 +29,13 @@ constexpr int MAX_SMEM_BYTES = 227 * 1024;  // dynamic shared memory a CTA can h
 
 // Shared memory (base aligned to 1024): the stage ring, the consumer warps' epilogue staging, then the
 // mbarriers (STAGES full, STAGES empty, 1 epilogue-done, INFO_SLOTS tile-info; 16-byte aligned end) and the
-// INFO_SLOTS tile descriptors (16 bytes each). STAGING = false (the weight-gradient kernel): no epilogue staging, no tile descriptors.
+// INFO_SLOTS tile descriptors (16 bytes each). The weight-gradient kernels use the same layout (the epilogue-done
+// barrier and the tile descriptors stay unused).
 // A_TILES = 2 (a gated A_ACT GEMM): each stage holds two A tiles, the gate and the up columns of z, before the B
 // tile, and the ring is 3 stages deep.
 // STAGES_: the ring's depth, chosen by the launcher (blazecore/_moe_gpu.py's _stages90) and passed as a template
 // argument of the kernels; the layout checks that it fits.
-template <int BN, bool STAGING, int A_TILES, int STAGES_> struct Cfg {
+template <int BN, int A_TILES, int STAGES_> struct Cfg {
   static_assert(BN == 128 || BN == 256, "BN must be 128 or 256");
   static_assert(A_TILES == 1 || A_TILES == 2, "one or two A tiles a stage");
   static_assert(STAGES_ >= 2, "a ring of at least two stages");
@@ -44,13 +45,12 @@ template <int BN, bool STAGING, int A_TILES, int STAGES_> struct Cfg {
   static constexpr int B_OFFSET = A_TILES * A_BYTES;  // the B tile's offset in a stage
   static constexpr int STAGE_BYTES = B_OFFSET + B_BYTES;
   static constexpr int EPI_OFFSET = STAGES * STAGE_BYTES;
-  static constexpr int BAR_OFFSET = EPI_OFFSET + (STAGING ? 4 * CONSUMER_WGS * EPI_WARP_BYTES : 0);
-  static constexpr int NINFO = STAGING ? INFO_SLOTS : 0;
-  static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + (STAGING ? 1 : 0) + NINFO) + 15) & ~15);
+  static constexpr int BAR_OFFSET = EPI_OFFSET + 4 * CONSUMER_WGS * EPI_WARP_BYTES;
+  static constexpr int NINFO = INFO_SLOTS;
+  static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + 1 + NINFO) + 15) & ~15);
   static constexpr int SMEM_BYTES = 1024 + INFO_OFFSET + 16 * NINFO;  // + slack to align the base to 1024
   static_assert(SMEM_BYTES <= MAX_SMEM_BYTES, "the ring and the staging fit a CTA's shared memory");
-  static_assert(!STAGING || INFO_SLOTS >= STAGES + 1,
-                "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
+  static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
 // ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
