@@ -126,7 +126,7 @@ def cuda_kernels(torch, run) -> list:
                   if ev.device_type().name == "CUDA")
 
 
-_GEMM_KERNELS = ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_gemm<")  # blazecore's expert GEMM kernels
+_GEMM_KERNELS = ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_dhcur_sm90", "moe_gemm<")  # blazecore's expert GEMM kernels
 _STAGING_KERNEL = "moe_gather_rows"  # a launcher's staging copy, launched right before its GEMM
 
 

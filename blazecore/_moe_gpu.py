@@ -47,6 +47,7 @@ _FILE = "moe_gemm_sm80.cu"  # the mma.sync GEMMs (every arch and dtype)
 _FILE_HELPERS = "moe_helpers.cu"  # tile offsets, combine, dgates, bias gradients, token blocks, seen experts
 _FILE90 = "moe_gemm_sm90.cu"  # the sm_90a M-grouped GEMMs
 _FILE_WGRAD90 = "moe_wgrad_sm90.cu"  # the sm_90a weight-gradient GEMMs
+_FILE_DH90 = "moe_dhcur_sm90.cu"  # the sm_90a dh' with its epilogue on the producer warpgroup
 BN90 = 256  # sm_90a tiles: 128 x 256 (two consumer warpgroups of 64 rows), 384 threads, 1 CTA per SM
 NTHREADS90 = 384
 _ACT_IDS = {"swiglu": 0, "geglu": 1, "gelu": 2, "silu": 3, "relu2": 4, "swiglu_oai": 5}  # moe_common.cuh's Act
@@ -91,6 +92,13 @@ WGRAD_CLUSTER = 2
 # than the staging once STAGE_MIN_TILES or more n-tiles read the rows (docs/sm90_kernels.md, "Staged rows").
 # BLAZECORE_STAGE_ROWS = "auto" (that rule), "always" or "never" overrides STAGE_ROWS; the results have the same bits
 # either way.
+# How the sm_90a dh' runs its epilogue (activation backward, dz, g * hcur, dgates partials): "overlap"
+# (moe_dhcur_sm90: the consumers leave dh' in shared memory and go on with the next tile while the producer warpgroup
+# does the epilogue between its copies; weights by TMA only) or "fused" (moe_gemm_sm90's EPI_DHCUR: the consumers do
+# it after their mainloop). BLAZECORE_SM90_DHCUR overrides DHCUR.
+DHCUR_FORMS = ("overlap", "fused")
+DHCUR = "fused"
+STAGES_DH90 = 3  # moe_dhcur_sm90's ring: 3 stages of 48 KB beside dh' and the z rows, see sm90::DhCfg
 STAGE_ROWS_MODES = ("auto", "always", "never")
 STAGE_ROWS = "auto"
 STAGE_MIN_TILES = 32
@@ -99,7 +107,8 @@ STAGE_MIN_TILES = 32
 def settings() -> dict:
     """The sm_90a kernel settings the environment gives (each the module default where unset), validated:
     b_load (BLAZECORE_SM90_B_LOAD, B_LOADS), out_store (BLAZECORE_SM90_OUT_STORE, OUT_STORES), stage_rows
-    (BLAZECORE_STAGE_ROWS, STAGE_ROWS_MODES) and wgrad_cluster (BLAZECORE_SM90_CLUSTER, WGRAD_CLUSTERS). A value
+    (BLAZECORE_STAGE_ROWS, STAGE_ROWS_MODES), wgrad_cluster (BLAZECORE_SM90_CLUSTER, WGRAD_CLUSTERS) and dhcur
+    (BLAZECORE_SM90_DHCUR, DHCUR_FORMS). A value
     outside its list is a ValueError naming the variable and the list; the layer's entry points ask for them before
     any kernel runs."""
 
@@ -112,7 +121,8 @@ def settings() -> dict:
     return {"b_load": pick("BLAZECORE_SM90_B_LOAD", B_LOAD, B_LOADS),
             "out_store": pick("BLAZECORE_SM90_OUT_STORE", OUT_STORE, OUT_STORES),
             "stage_rows": pick("BLAZECORE_STAGE_ROWS", STAGE_ROWS, STAGE_ROWS_MODES),
-            "wgrad_cluster": int(pick("BLAZECORE_SM90_CLUSTER", WGRAD_CLUSTER, tuple(map(str, WGRAD_CLUSTERS))))}
+            "wgrad_cluster": int(pick("BLAZECORE_SM90_CLUSTER", WGRAD_CLUSTER, tuple(map(str, WGRAD_CLUSTERS)))),
+            "dhcur": pick("BLAZECORE_SM90_DHCUR", DHCUR, DHCUR_FORMS)}
 
 
 @dataclass(frozen=True)
@@ -236,6 +246,20 @@ def _wgrad_names90(ct):
                                for cluster in WGRAD_CLUSTERS))
 
 
+def _dh_names90(ct):
+    """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation): one module of
+    _FILE_DH90."""
+    return tuple(f"blz::moe_dhcur_sm90<{ct}, {a}, {STAGES_DH90}>" for a in _ACT_IDS.values())
+
+
+def _smem_dh90(stages=STAGES_DH90):
+    """sm90::DhCfg<stages>::SMEM_BYTES: alignment slack, the ring (48 KB stages), dh' (128 rows of 512 bytes), the
+    producer warps' z rows (4 warps x 4 rows x 1 KB), the mbarriers (2 per stage, dh-full, dh-empty, 16 z-row, 8
+    tile-descriptor ones; the end rounded to 16 bytes) and 8 tile descriptors of 16 bytes."""
+    nbar = 2 * stages + 2 + 16 + 8
+    return 1024 + stages * 48 * 1024 + 128 * 512 + 4 * 4 * 1024 + -(-8 * nbar // 16) * 16 + 16 * 8
+
+
 def _stages90(bn=BN90, a_tiles=1):
     """The stage ring's depth of an sm_90a kernel (its STAGES template argument): as many stages of a_tiles A tiles
     and one B tile of bn rows as fit beside the epilogue staging: 3 with two A tiles, else 4 at bn 256 and 6 at
@@ -293,6 +317,7 @@ _compile.register_kernels(
     _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
 )
 _compile.register_kernels(_FILE_WGRAD90, [n for ct in ("__nv_bfloat16", "__half") for n in _wgrad_names90(ct)])
+_compile.register_kernels(_FILE_DH90, [n for ct in ("__nv_bfloat16", "__half") for n in _dh_names90(ct)])
 _compile.register_kernels(_FILE_HELPERS, list(dict.fromkeys(n for ct in _CTYPES.values() for n in _helper_names(ct))))
 def _act_codes():
     """Every Act id the mma.sync kernels take: each activation, and each gated one interleaved."""
@@ -336,6 +361,7 @@ class _Kernels:
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
         self.out_store, self.stage_rows, self.wgrad_cluster = st["out_store"], st["stage_rows"], st["wgrad_cluster"]
+        self.dhcur = st["dhcur"]
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
         # arguments) (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run mma.sync)
@@ -354,6 +380,9 @@ class _Kernels:
         """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
         for this launch and ``cluster`` picks the weight gradients' 2-CTA form (sm_90a)."""
         v = self.variants[which]
+        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap":
+            return KernelVariant(_FILE_DH90, f"blz::moe_dhcur_sm90<{self.ct}, {self.act}, {STAGES_DH90}>", NTHREADS90,
+                                 BM, BN90, STAGES_DH90, _smem_dh90())
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
@@ -368,6 +397,8 @@ class _Kernels:
             return _module_names90(self.ct, self.act)
         if kv.file == _FILE_WGRAD90:
             return _wgrad_names90(self.ct)
+        if kv.file == _FILE_DH90:
+            return _dh_names90(self.ct)
         return self.names
 
     def gemm(self, which, carry_in=False, b_load=None, cluster=1):
@@ -473,7 +504,12 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         b_estride=b_estride, ldo=ldo, ldo2=ldo2, ldaux=ldaux, bias_estride=bias_estride, up=up, num_experts=E, N=N,
         Kd=Kd, topk=topk, part_ld=part_ld, store_h=store_h, store_z=store_z)
     extra, b_load = (), None
-    if kern.sm90:
+    if kern.sm90 and kern.variant(which).file == _FILE_DH90:  # dh' with its epilogue on the producer: B's map only
+        if _array.dry() is None and (aux.data.ptr % 16 or (ldaux * kern.itemsize) % 16):  # z by 16-byte bulk copies
+            raise ValueError("dh': z's rows must be 16-byte aligned")
+        grid = _persistent_grid(grid)
+        extra = (_b_map(kern, which, B, ldb, b_estride, E, N, Kd),)
+    elif kern.sm90:
         grid = _persistent_grid(grid)
         amap = _rows_map(kern, A, lda, Kd, BM) if which in _A_TMA else None
         if which in _A_TMA and amap is None:

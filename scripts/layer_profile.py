@@ -22,7 +22,7 @@ def _short(name: str) -> str:
     family and its epilogue / role."""
     m = re.match(r"(?:void )?([\w:]+)", name)
     base = m.group(1) if m else name[:60]
-    if "moe_gemm_sm90" in base or "moe_wgrad_sm90" in base:
+    if any(k in base for k in ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_dhcur_sm90")):
         return name[:140]
     return base
 

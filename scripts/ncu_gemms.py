@@ -4,7 +4,7 @@
 Runs one warm forward+backward of ``blazecore_torch.moe_ffn`` ("ab") and each grouped_mm GEMM once outside the
 profiled range, then the same again inside ``cudaProfilerStart`` / ``cudaProfilerStop``, so that
 
-    ncu --profile-from-start off --clock-control none -k regex:'moe_gemm_sm90|moe_wgrad|device_kernel' \\
+    ncu --profile-from-start off --clock-control none -k regex:'moe_gemm_sm90|moe_dhcur_sm90|moe_wgrad|device_kernel' \\
         -o rep python3 scripts/ncu_gemms.py --shape olmoe
 
 captures blazecore's launches in the layer's order (gemm1, gemm2, dh', dx, then the weight gradients) followed by

@@ -17,13 +17,13 @@ args=()
 for s in "${sections[@]}"; do args+=(--section "$s"); done
 ncu --profile-from-start off --clock-control none -f -o "$REP" "${args[@]}" \
     --metrics lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
-    -k 'regex:moe_gemm_sm90|moe_wgrad|device_kernel' \
+    -k 'regex:moe_gemm_sm90|moe_dhcur_sm90|moe_wgrad|device_kernel' \
     python3 scripts/ncu_gemms.py --shape "$SHAPE" || exit 1
 ncu -i "$REP.ncu-rep" --page details --print-units base >"$OUT/details_$SHAPE.txt" 2>&1
 for spec in "$@"; do
   who=${spec%%:*}; n=${spec#*:}
   case $who in
-    ours) re='regex:moe_gemm_sm90' ;;
+    ours) re='regex:moe_gemm_sm90|moe_dhcur_sm90' ;;
     wg) re='regex:moe_wgrad' ;;
     *) re='regex:device_kernel' ;;
   esac

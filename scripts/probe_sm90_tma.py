@@ -52,6 +52,7 @@ def prewarm(workers=16):
 
     jobs = [(G._FILE90, G._module_names90(ct, a)) for ct in ("__nv_bfloat16", "__half") for a in G._ACT_IDS.values()]
     jobs += [(G._FILE_WGRAD90, G._wgrad_names90(ct)) for ct in ("__nv_bfloat16", "__half")]
+    jobs += [(G._FILE_DH90, G._dh_names90(ct)) for ct in ("__nv_bfloat16", "__half")]
     jobs += [(G._FILE, G._module_names(ct, a)) for ct in G._CTYPES.values() for a in G._ACT_IDS.values()]
     jobs += [(G._FILE_HELPERS, G._helper_names(ct)) for ct in G._CTYPES.values()]
     t = time.time()

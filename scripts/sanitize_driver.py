@@ -10,6 +10,7 @@ Cases (``--case NAME``, repeatable; default all; ``--list`` names them):
             row configuration (E = 7 .. 2048: one warp with 4..32 values per thread, 8 warps), fp32 / fp16 /
             bf16, softmax and sigmoid, with and without a bias, vector and scalar row paths
   moe_sm90  the expert FFN forward + backward with the sm_90a wgmma kernels (bf16, fp16 on Hopper)
+  moe_sm90_dh the same (bf16) with dh's epilogue on the producer warpgroup (BLAZECORE_SM90_DHCUR=overlap)
   moe_mma   the same with BLAZECORE_SM90=0 (the mma.sync kernels; fp32 always takes them)
   moe_chunk the layer in 3 token chunks (small block_tokens), both paths
   moe_layouts the layer on "in_out" weights and interleaved gate/up rows (mma.sync kernels)
@@ -209,6 +210,16 @@ def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swi
 @case
 def moe_sm90():
     _layer(True, (BF16, np.float16))
+
+
+@case
+def moe_sm90_dh():
+    # dh' with its epilogue on the producer warpgroup (moe_dhcur_sm90, DHCUR "overlap"), every activation
+    os.environ["BLAZECORE_SM90_DHCUR"] = "overlap"
+    try:
+        _layer(True, (BF16,))
+    finally:
+        os.environ.pop("BLAZECORE_SM90_DHCUR")
 
 
 @case

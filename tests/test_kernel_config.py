@@ -44,6 +44,8 @@ def _sm90_asserts() -> list[str]:
     for bn, a_tiles in itertools.product((128, 256), (1, 2)):
         cfg = f"blz::sm90::Cfg<{bn}, {a_tiles}, {G._stages90(bn, a_tiles)}>"
         out.append(f"{cfg}::SMEM_BYTES == {G._smem90(bn, a_tiles)}")
+    out.append(f"blz::sm90::DhCfg<{G.STAGES_DH90}>::SMEM_BYTES == {G._smem_dh90()}")
+    out.append(f"blz::sm90::DhCfg<{G.STAGES_DH90}>::BN == {G.BN90}")
     return out
 
 
@@ -158,7 +160,8 @@ def test_every_launchable_kernel_is_registered(arch):
                     seen.add(kv.file)
             for name in _moe_gpu._helper_names(kern.ct):
                 assert name in _compile.KERNELS[_moe_gpu._FILE_HELPERS], name
-    want = {_moe_gpu._FILE, _moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90} if arch == "sm_90a" else {_moe_gpu._FILE}
+    want = {_moe_gpu._FILE, _moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90, _moe_gpu._FILE_DH90} if arch == "sm_90a" \
+        else {_moe_gpu._FILE}
     assert seen == want
 
 

@@ -493,16 +493,47 @@ def test_lean_slices_bit_identical_gpu(activation, dname, monkeypatch):
 def test_sm90_b_load_paths_bit_identical_gpu(case, activation, monkeypatch):
     """The sm_90a M-grouped kernels load the weights by TMA or by cp.async (_moe_gpu.B_LOADS): the shared-memory
     tiles are the same, so y and every gradient have the same bits, and match the reference (bf16, both policies,
-    bias on). On other GPUs both names run the same kernels."""
+    bias on). dh' runs its epilogue in the consumers both ways (DHCUR "fused"; the "overlap" form takes the weights
+    by TMA only, see test_sm90_dhcur_forms_gpu). On other GPUs both names run the same kernels."""
     from blazecore import _moe_gpu
 
     monkeypatch.delenv("BLAZECORE_SM90_B_LOAD", raising=False)
+    monkeypatch.setenv("BLAZECORE_SM90_DHCUR", "fused")
     inp = _inputs(case, "bf16", activation, True)
     dev = _on(inp, "gpu")
     exp = _reference(inp, activation, "gpu")
     for checkpoint in ("ab", "none"):
         _paths_agree(lambda b_load: monkeypatch.setattr(_moe_gpu, "B_LOAD", b_load), _moe_gpu.B_LOADS, dev, inp, exp,
                      activation, checkpoint)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACT_PARAMS)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES
+                                  if c.name in ("L63", "odd", "empty_experts", "one_expert", "tiles", "wide_d",
+                                                "wide_h")])
+def test_sm90_dhcur_forms_gpu(case, activation, monkeypatch):
+    """dh' with its epilogue on the producer warpgroup (DHCUR "overlap", moe_dhcur_sm90) and in the consumers
+    ("fused"): each matches the float64 reference (bf16, both policies, bias on) and gives the same bits run to run.
+    (The overlap form rounds dh' to bf16 before the activation backward and sums the dgates partials in another
+    order, so the two forms' bits may differ.)"""
+    from blazecore import _compile, _moe_gpu
+
+    monkeypatch.delenv("BLAZECORE_SM90_B_LOAD", raising=False)
+    inp = _inputs(case, "bf16", activation, True)
+    dev = _on(inp, "gpu")
+    exp = _reference(inp, activation, "gpu")
+    for checkpoint in ("ab", "none"):
+        for form in _moe_gpu.DHCUR_FORMS:
+            monkeypatch.setenv("BLAZECORE_SM90_DHCUR", form)
+            if _compile.device_arch() == "sm_90a":
+                want = _moe_gpu._FILE_DH90 if form == "overlap" else _moe_gpu._FILE90
+                assert _moe_gpu._Kernels(BF16, activation).variant("dhcur").file == want
+            y, _, grads = _run(dev, activation, checkpoint)
+            _check_against(y, grads, inp, exp, TOL[BF16], f"{form} {checkpoint} ")
+            y2, _, grads2 = _run(dev, activation, checkpoint)
+            for key in GRAD_KEYS:
+                assert _bytes(getattr(grads, key)) == _bytes(getattr(grads2, key)), f"{form} {checkpoint} {key} rerun"
 
 
 @pytest.mark.gpu

@@ -53,6 +53,31 @@ template <int BN, int A_TILES, int STAGES_> struct Cfg {
   static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
+// dh' with its epilogue on the producer warpgroup (moe_dhcur_sm90.cu): 128 x 256 tiles, k-tiles of 64 (A and B as
+// moe_gemm_sm90's N-major layout), a ring of STAGES_ stages beside the tile's dh' (T, 512-byte rows) and the producer
+// warps' z rows (ZD rows in flight a warp, the gate and up halves 512 bytes each, each row on an mbarrier of its own);
+// then the mbarriers (STAGES full, STAGES empty, dh-full, dh-empty, 4 x ZD z-row, INFO_SLOTS tile-info) and the tile
+// descriptors.
+template <int STAGES_> struct DhCfg {
+  static constexpr int STAGES = STAGES_;
+  static constexpr int BK = 64, BN = 256, ZD = 4;
+  static constexpr int A_BYTES = BM * ROW_BYTES;       // 16 KB
+  static constexpr int B_ATOM = BK * ROW_BYTES;        // 8 KB: [64 k][64 n]
+  static constexpr int B_BYTES = (BN / 64) * B_ATOM;   // 32 KB
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int DH_ROW = BN * 2;                // 512 bytes
+  static constexpr int DH_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int Z_SLOT = 2 * DH_ROW;            // a row's gate and up halves
+  static constexpr int Z_OFFSET = DH_OFFSET + BM * DH_ROW;
+  static constexpr int BAR_OFFSET = Z_OFFSET + 4 * ZD * Z_SLOT;
+  static constexpr int NINFO = INFO_SLOTS;
+  static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + 2 + 4 * ZD + NINFO) + 15) & ~15);
+  static constexpr int SMEM_BYTES = 1024 + INFO_OFFSET + 16 * NINFO;
+  static_assert(STAGES_ >= 2, "a ring of at least two stages");
+  static_assert(SMEM_BYTES <= MAX_SMEM_BYTES, "the ring, dh' and the z rows fit a CTA's shared memory");
+  static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
+};
+
 // ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
 // Thread t (0..127) of the warpgroup holds N/2 floats. Register i sits at
 //   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2)          (within the warpgroup's 64 rows)

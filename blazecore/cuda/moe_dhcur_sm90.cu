@@ -1,0 +1,286 @@
+// sm_90a dh' (the EPI_DHCUR contract of moe_gemm_sm90.cu) with its epilogue under the next tile's mainloop.
+//
+//   dh'[s, n] = sum_k dy[slot_token[s], k] * w2_e[k, n]          (w2 "out_in": (E, d, h), B N-major)
+//   then, per element: dz = act backward (g folded in), g * hcur, and the dgates partial sum of dh' * hcur a row
+//
+// The epilogue reads z (2h a slot row) and writes dz and g * hcur (3h): run by the consumers after their
+// mainloop, it kept the tensor cores idle for as long as the mainloop ran. Here the consumers only round the tile's
+// dh' to T and write it to shared memory, then start the next tile at once; the producer warpgroup, between its
+// k-tiles' copies, brings the tile's z rows in by cp.async (ZD rows in flight a warp), computes dz, g * hcur and the
+// partial sums from dh' and z, and stores them with 16-byte row stores. So the epilogue's arithmetic and its DRAM
+// traffic run under the next tile's wgmmas.
+//
+// CTA = 3 warpgroups (384 threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
+//   warpgroup 0     producer: the gathered dy rows by cp.async (8 threads a 128-byte row, rows r0 + 16 i) and B's
+//                   four [64 k][64 n] atoms by TMA (box (64, 64), one issuing thread) into a STAGES-deep ring of 48 KB
+//                   stages, laid out as moe_gemm_sm90's N-major form; then the previous tile's epilogue: warp w owns
+//                   rows [32 w, 32 w + 32), lane l columns [8 l, 8 l + 8), one row a step, the steps spread over the
+//                   tile's k-tiles after the first STAGES (the consumers have finished the previous tile by then).
+//                   Each z row comes by two 1-D bulk copies (gate and up halves) on an mbarrier of its own, ZD rows
+//                   ahead, so the z loads are not among the cp.async copies the ring's full barriers wait for.
+//   warpgroups 1, 2 consumers: rows [64 (w-1), 64 w) of the tile, 4 x wgmma m64n256k16 a k-tile; after the
+//                   mainloop each waits until the producer has read the previous tile's dh' ("dh-empty"), writes its
+//                   fragment as T pairs (row R at R * 512 bytes, 16-byte chunk c at c ^ (R % 8): conflict-free for the
+//                   fragment's 4-byte writes and the producer's 16-byte row reads) and arrives on "dh-full".
+// dh' is rounded to T before the activation backward (as an unfused dh' GEMM would store it); z, dz and g * hcur are
+// T. Every element is computed by one thread in a fixed order, so the results are the same run to run.
+//
+// Shared memory: sm90::DhCfg<STAGES> (sm90_common.cuh); the ring is shorter than moe_gemm_sm90's (dh' takes 64 KB).
+#include "sm90_common.cuh"
+
+namespace blz {
+
+// Arguments: MGroupedArgs (moe_args.cuh) as moe_gemm_sm90's EPI_DHCUR takes them (A = dy gathered through slot_token,
+// B = w2_e N-major, out = dz (may alias aux = z), out2 = g * hcur, part: one fp32 column a 256-column n-tile), then
+// B's tensor map: 3-D (N, Kd, E), box (64, 32, 1), 128-byte swizzle, zero fill out of bounds.
+// Launch: any grid (persistent); block = sm90::THREADS, dynamic shared memory = sm90::DhCfg<STAGES>::SMEM_BYTES.
+// Preconditions: Kd > 0; lda, ldaux, ldo, ldo2 and N multiples of 8 (16-byte rows), as for moe_gemm_sm90.
+template <typename T, int ACT, int STAGES>
+__global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupedArgs<T> p,
+                                                                    const __grid_constant__ sm90::TmaMap tmap_b) {
+  const T* __restrict__ A = p.A;
+  const int* __restrict__ slot_token = p.slot_token;
+  const int* __restrict__ slot_k = p.slot_k;
+  const int* __restrict__ offsets = p.offsets;
+  const int* __restrict__ tile_offsets = p.tile_offsets;
+  T* out = p.out;  // dz, may alias aux (z): each element is read by the thread that writes it, before it does
+  T* __restrict__ out2 = p.out2;
+  const T* aux = p.aux;
+  const float* __restrict__ gates = p.gates;
+  float* __restrict__ part = p.part;
+  const long long lda = p.lda, ldo = p.ldo, ldo2 = p.ldo2, ldaux = p.ldaux;
+  const int num_experts = p.num_experts, N = p.N, Kd = p.Kd, topk = p.topk, part_ld = p.part_ld;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  using C = sm90::DhCfg<STAGES>;
+  constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, ZD = C::ZD, EPC = 8;
+  constexpr bool G2 = act_gated(ACT);
+  extern __shared__ unsigned char sm90_smem[];
+  const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
+  const unsigned dh_full = empty0 + 8 * STAGES, dh_empty = dh_full + 8;
+  const unsigned zbar0 = dh_empty + 8;                // z row slots: warp w's slot q at zbar0 + 8 (w ZD + q)
+  const unsigned info_full0 = zbar0 + 8 * 4 * ZD;
+  const unsigned info0 = sbase + C::INFO_OFFSET;
+  const unsigned dhb = sbase + C::DH_OFFSET;
+  const int tid = threadIdx.x;
+
+  constexpr int GROUP_M = 16;  // moe_gemm_sm90's grouped order
+  const int tiles_n = (N + BN - 1) / BN;
+  const int mt_total = __ldg(tile_offsets + num_experts);
+  const int total = mt_total * tiles_n;
+  const int num_kt = (Kd + BK - 1) / BK;
+  const long long zup = p.up ? p.up : N;  // z's and dz's up half
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 32 + 1);             // the copy warp's lanes + the TMA expect_tx
+      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);
+    }
+    sm90::mbar_init(dh_full, 4 * sm90::CONSUMER_WGS);    // each consumer warp wrote its rows of dh'
+    sm90::mbar_init(dh_empty, 3);                         // each epilogue warp read its rows
+#pragma unroll
+    for (int i = 0; i < 4 * ZD; ++i) sm90::mbar_init(zbar0 + 8 * i, 1);  // the fetching lane's expect_tx
+#pragma unroll
+    for (int i = 0; i < sm90::INFO_SLOTS; ++i) sm90::mbar_init(info_full0 + 8 * i, 1);
+  }
+  __syncthreads();
+
+  if (tid < 32) {
+    // ================================ copy warp ================================
+    // A: lane l copies 16-byte chunk l % 8 of rows l / 8 + 4 i (i < 32), whose swizzled chunk position alternates
+    // between two values with i (row % 8 = l / 8 + 4 (i % 2)). B: lane 0, by TMA.
+    const int cc = tid & 7, r0 = tid >> 3;
+    const unsigned a_sw[2] = {static_cast<unsigned>((cc ^ r0) << 4), static_cast<unsigned>((cc ^ (r0 + 4)) << 4)};
+    if (tid == 0) sm90::tma_prefetch_map(&tmap_b);
+    int stage = 0, it = 0;
+    unsigned phase = 0;
+    int li = 0;
+    for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
+      const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
+      const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
+      const int tmg = first + local % gsz, tn = local / gsz;
+      const int e = find_expert(tile_offsets, num_experts, tmg);
+      const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
+      const int m_end = __ldg(offsets + e + 1);
+      const int n0 = tn * BN;
+      if (tid == 0) {
+        // slot li % INFO_SLOTS was last read (by the consumers and the epilogue warps) for tile li - INFO_SLOTS: the
+        // consumers have released that tile's k-tiles and written the dh' of the tile after it, which the epilogue
+        // warps waited for before they read the next slot
+        sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(static_cast<unsigned>(e),
+                           static_cast<unsigned>(m0), static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
+        sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+      }
+      const char* a_src[BM / 4];
+      unsigned a_ok = 0;
+#pragma unroll
+      for (int i = 0; i < BM / 4; ++i) {
+        const int s = m0 + r0 + 4 * i;
+        const int row = s < m_end ? __ldg(slot_token + s) : -1;
+        a_ok |= (row >= 0 ? 1u : 0u) << i;
+        a_src[i] = reinterpret_cast<const char*>(A + (long long)(row >= 0 ? row : 0) * lda + cc * EPC);
+      }
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
+        const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+        const int k0 = kt * BK;
+        const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);
+        if (m0 + BM <= m_end && k0 + BK <= Kd) {
+#pragma unroll
+          for (int i = 0; i < BM / 4; ++i)
+            sm90::cp_async16_plain(as + (r0 + 4 * i) * sm90::ROW_BYTES + a_sw[i & 1], a_src[i] + kb);
+        } else {
+          const bool kok = k0 + cc * EPC < Kd;
+#pragma unroll
+          for (int i = 0; i < BM / 4; ++i) {
+            const bool ok = kok && ((a_ok >> i) & 1u);
+            sm90::cp_async16_s(as + (r0 + 4 * i) * sm90::ROW_BYTES + a_sw[i & 1],
+                               ok ? a_src[i] + kb : reinterpret_cast<const char*>(A), ok ? 16 : 0);
+          }
+        }
+        if (tid == 0) {
+          const unsigned bar = full0 + 8 * stage;
+          sm90::mbar_arrive_expect_tx(bar, C::B_BYTES);
+#pragma unroll
+          for (int a = 0; a < BN / 64; ++a) sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
+        }
+        sm90::cp_async_arrive_noinc(full0 + 8 * stage);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+    if (tid == 0) {
+      sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(~0u, 0u, 0u, 0u));
+      sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+    }
+    sm90::cp_async_wait_all();
+  } else if (tid < 128) {
+    // ================================ epilogue warps ================================
+    // Warp w (1..3) takes the tile rows r = (w - 1) + 3 j (j < EJ), lane l the columns [8 l, 8 l + 8); z rows come ZD
+    // ahead by two 1-D bulk copies each (gate and up halves) on the warp's slot barriers; fq / cq count the rows the
+    // warp fetched / consumed over all its tiles, which picks the slot and its barrier's phase.
+    constexpr int EW = 3, EJ = (BM + EW - 1) / EW;  // epilogue warps, rows a warp (at most)
+    const int w = (tid >> 5) - 1, lane = tid & 31;
+    const unsigned zw = sbase + C::Z_OFFSET + static_cast<unsigned>(w * ZD * C::Z_SLOT);
+    unsigned fq = 0, cq = 0;
+    for (int li = 0;; ++li) {
+      sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
+      const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
+      if (ti.x == ~0u) break;
+      const int m0 = static_cast<int>(ti.y), m_end = static_cast<int>(ti.z), tn = static_cast<int>(ti.w);
+      const int n0 = tn * BN;
+      const int nj = min(EJ, max(0, (min(BM, m_end - m0) - w + EW - 1) / EW));  // this warp's rows in the expert
+      auto fetch = [&](int j) {
+        const unsigned slot = fq % ZD;
+        if (lane == 0) {
+          const int s = m0 + w + EW * j;
+          const unsigned bytes = static_cast<unsigned>(min(BN, N - n0)) * sizeof(T);
+          const unsigned bar = zbar0 + 8 * (w * ZD + slot), dst = zw + slot * C::Z_SLOT;
+          sm90::fence_proxy_async_smem();  // the warp's reads of the slot (ordered by its __syncwarp) before the copy
+          sm90::mbar_arrive_expect_tx(bar, (G2 ? 2 : 1) * bytes);
+          const T* zr = aux + (long long)s * ldaux + n0;
+          sm90::bulk_load(dst, zr, bytes, bar);
+          if constexpr (G2) sm90::bulk_load(dst + C::DH_ROW, zr + zup, bytes, bar);
+        }
+        ++fq;
+      };
+      if (BLZ_PROBE_EPI != 2) {
+        for (int j = 0; j < min(ZD, nj); ++j) fetch(j);
+      }
+      // the rows' gates: lane l holds those of rows j = l and j = 32 + l
+      float g0 = 0.f, g1 = 0.f;
+      if (lane < nj) g0 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * lane);
+      if (32 + lane < nj) g1 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * (32 + lane));
+      sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
+      for (int j = 0; j < nj && BLZ_PROBE_EPI != 2; ++j) {
+        const int r = w + EW * j, s = m0 + r;
+        const unsigned slot = cq % ZD;
+        sm90::mbar_wait(zbar0 + 8 * (w * ZD + slot), (cq / ZD) & 1u);
+        ++cq;
+        const float gs = j < 32 ? __shfl_sync(0xffffffffu, g0, j) : __shfl_sync(0xffffffffu, g1, j - 32);
+        const int nc = n0 + EPC * lane;
+        const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
+        const uint4 dv = sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
+        const unsigned zs = zw + slot * C::Z_SLOT + lane * 16;
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        const uint4 av = cok ? sm90::ld_shared_v4(zs) : zero;
+        const uint4 bv = (G2 && cok) ? sm90::ld_shared_v4(zs + C::DH_ROW) : zero;
+        const unsigned dw[4] = {dv.x, dv.y, dv.z, dv.w}, aw[4] = {av.x, av.y, av.z, av.w};
+        const unsigned bw[4] = {bv.x, bv.y, bv.z, bv.w};
+        unsigned da[4], db[4], hg[4];
+        float ps = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 a = sm90::unpack2<T>(aw[q]), b = G2 ? sm90::unpack2<T>(bw[q]) : make_float2(0.f, 0.f);
+          const float2 d = sm90::unpack2<T>(dw[q]);
+          const DhcurPair o = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d.x, d.y, gs);
+          da[q] = sm90::pack2<T>(o.da0, o.da1);
+          db[q] = sm90::pack2<T>(o.db0, o.db1);
+          hg[q] = sm90::pack2<T>(o.hg0, o.hg1);
+          ps += o.p;
+        }
+        if (cok && !BLZ_PROBE_EPI) {
+          T* dzr = out + (long long)s * ldo + nc;
+          *reinterpret_cast<uint4*>(dzr) = make_uint4(da[0], da[1], da[2], da[3]);
+          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = make_uint4(db[0], db[1], db[2], db[3]);
+          *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = make_uint4(hg[0], hg[1], hg[2], hg[3]);
+        }
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, m);
+        if (lane == 0) part[(long long)s * part_ld + tn] = ps;
+        __syncwarp();  // every lane has read the slot before lane 0 refills it
+        if (j + ZD < nj) fetch(j + ZD);
+      }
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(dh_empty);  // this warp's rows of dh' are read: the consumers may rewrite it
+    }
+  } else {
+    // ================================ consumer warpgroups ================================
+    const int cw = (tid >> 7) - 1;
+    const int t = tid & 127;
+    const int lane = t & 31;
+    float acc[BN / 2];
+    const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * sm90::ROW_BYTES, 16, 1024);
+    const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, C::B_ATOM, 1024);
+    constexpr unsigned B_KSTEP = (16 * sm90::ROW_BYTES) >> 4;
+    int stage = 0;
+    unsigned phase = 0;
+    for (int li = 0;; ++li) {
+      sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
+      const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
+      if (ti.x == ~0u) break;
+      auto issue = [&](unsigned long long soff, int kt) {
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks)
+          sm90::Wgmma<BN, T>::template mma<1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP, (kt | ks) != 0);
+      };
+      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
+          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
+      // dh' to shared memory once the producer has read the previous tile's
+      if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
+      const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int R = rr + 8 * h;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int i = sm90::acc_reg(j, h);
+          sm90::st_shared_u32(dhb + static_cast<unsigned>(R * C::DH_ROW + ((j ^ (R & 7)) << 4) + (c0 & 7) * 2),
+                              sm90::pack2<T>(acc[i], acc[i + 1]));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(dh_full);
+    }
+  }
+#else
+  // Built for another target: this kernel needs sm_90a (wgmma); launch moe_gemm instead.
+  __trap();
+#endif
+}
+
+}  // namespace blz
