@@ -140,14 +140,17 @@ def _activations():
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_every_launchable_kernel_is_registered(arch):
+def test_every_launchable_kernel_is_registered(arch, monkeypatch):
     """Every kernel a launcher can ask for (each dtype, activation, weight layout, GEMM path, GEMM role, carry,
-    dense-operand load and the weight gradients' cluster form) is registered in the file the launcher loads it from (so
-    the CPU compile check covers it) and is among the names of the module the launcher builds for it."""
+    dense-operand load, the weight gradients' cluster form and dh's epilogue form) is registered in the file the
+    launcher loads it from (so the CPU compile check covers it) and is among the names of the module the launcher
+    builds for it."""
     seen = set()
     with _array.dry_run(arch):
-        for dtype, act, layout, path in itertools.product((np.float32, np.float16, blazecore.BF16), _activations(),
-                                                          blazecore.WEIGHT_LAYOUTS, blazecore.GEMM_PATHS):
+        for dtype, act, layout, path, dh in itertools.product((np.float32, np.float16, blazecore.BF16), _activations(),
+                                                              blazecore.WEIGHT_LAYOUTS, blazecore.GEMM_PATHS,
+                                                              _moe_gpu.DHCUR_FORMS):
+            monkeypatch.setenv("BLAZECORE_SM90_DHCUR", dh)
             kern = _moe_gpu._Kernels(dtype, act, weight_layout=layout, path=path)
             for which in kern.variants:
                 if which in _moe_gpu._SM90_ONLY and not kern.sm90:
@@ -163,6 +166,25 @@ def test_every_launchable_kernel_is_registered(arch):
     want = {_moe_gpu._FILE, _moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90, _moe_gpu._FILE_DH90} if arch == "sm_90a" \
         else {_moe_gpu._FILE}
     assert seen == want
+
+
+def test_dh_epilogue_form_setting(monkeypatch):
+    """BLAZECORE_SM90_DHCUR picks dh's kernel on sm_90a: "overlap" the producer-epilogue kernel (moe_dhcur_sm90, only
+    with the weights by TMA: cp.async weights keep the fused kernel), "fused" moe_gemm_sm90's EPI_DHCUR; the other
+    roles never change; anything else is a ValueError naming the variable before any kernel is chosen."""
+    with _array.dry_run("sm_90a"):
+        for form, b_load, want in (("overlap", "tma", _moe_gpu._FILE_DH90), ("overlap", "cp_async", _moe_gpu._FILE90),
+                                   ("fused", "tma", _moe_gpu._FILE90), ("fused", "cp_async", _moe_gpu._FILE90)):
+            monkeypatch.setenv("BLAZECORE_SM90_DHCUR", form)
+            kern = _moe_gpu._Kernels(blazecore.BF16, "swiglu")
+            kv = kern.variant("dhcur", b_load=b_load)
+            assert kv.file == want, (form, b_load)
+            assert kern.variant("dx", b_load=b_load).file == _moe_gpu._FILE90
+            if want == _moe_gpu._FILE_DH90:
+                assert (kv.stages, kv.smem, kv.bn) == (_moe_gpu.STAGES_DH90, _moe_gpu._smem_dh90(), _moe_gpu.BN90)
+        monkeypatch.setenv("BLAZECORE_SM90_DHCUR", "async")
+        with pytest.raises(ValueError, match="BLAZECORE_SM90_DHCUR"):
+            _moe_gpu._Kernels(blazecore.BF16, "swiglu")
 
 
 def test_weight_gradient_addressing_width_follows_the_operand_extent():
