@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   const unsigned dhb = sbase + C::DH_OFFSET;
   const int tid = threadIdx.x;
 
-  constexpr int GROUP_M = 16;  // moe_gemm_sm90's grouped order
   const int tiles_n = (N + BN - 1) / BN;
   const int mt_total = __ldg(tile_offsets + num_experts);
   const int total = mt_total * tiles_n;
@@ -98,12 +97,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
     unsigned phase = 0;
     int li = 0;
     for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
-      const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
-      const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
-      const int tmg = first + local % gsz, tn = local / gsz;
-      const int e = find_expert(tile_offsets, num_experts, tmg);
-      const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
-      const int m_end = __ldg(offsets + e + 1);
+      const sm90::MTile mt = sm90::m_tile(v, tiles_n, mt_total, tile_offsets, offsets, num_experts);
+      const int e = mt.e, m0 = mt.m0, m_end = mt.m_end, tn = mt.tn;
       const int n0 = tn * BN;
       if (tid == 0) {
         // slot li % INFO_SLOTS was last read (by the consumers and the epilogue warps) for tile li - INFO_SLOTS: the

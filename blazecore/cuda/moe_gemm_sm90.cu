@@ -118,7 +118,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   // it to the consumers through a shared-memory descriptor, so the decode (a binary search over
   // tile_offsets) stays off the consumers' path; it runs ahead into the next tile's k-tiles while the
   // consumers finish the current one.
-  constexpr int GROUP_M = 16;
   const int tiles_n = GATED ? (N + BN / 2 - 1) / (BN / 2) : (N + BN - 1) / BN;
   const int mt_total = __ldg(tile_offsets + num_experts);
   const int total = mt_total * tiles_n;
@@ -160,12 +159,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     unsigned phase = 0;
     int li = 0;
     for (int v = static_cast<int>(blockIdx.x); v < total; v += static_cast<int>(gridDim.x), ++li) {
-      const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
-      const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
-      const int tmg = first + local % gsz, tn = local / gsz;
-      const int e = find_expert(tile_offsets, num_experts, tmg);
-      const int m0 = __ldg(offsets + e) + (tmg - __ldg(tile_offsets + e)) * BM;
-      const int m_end = __ldg(offsets + e + 1);
+      const sm90::MTile mt = sm90::m_tile(v, tiles_n, mt_total, tile_offsets, offsets, num_experts);
+      const int e = mt.e, m0 = mt.m0, m_end = mt.m_end, tn = mt.tn;
       const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
       if (tid == 0) {
         // slot li % INFO_SLOTS was last read by the consumers before they released the k-tiles of tile

@@ -78,6 +78,27 @@ template <int STAGES_> struct DhCfg {
   static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
+// ---- the M-grouped tile schedule (moe_gemm_sm90, moe_dhcur_sm90) ---------------------------------------------
+// Tile number v of the grouped order: GROUP_M m-tiles down one n-tile, then the next n-tile, so the CTAs working at a
+// time share a few weight slices and a few row blocks in L2. Returns the expert, its first slot of the m-tile, the
+// expert's end slot and the n-tile (the binary search over tile_offsets stays on the producer's side).
+constexpr int GROUP_M = 16;
+struct MTile {
+  int e, m0, m_end, tn;
+};
+__device__ __forceinline__ MTile m_tile(int v, int tiles_n, int mt_total, const int* tile_offsets, const int* offsets,
+                                        int num_experts) {
+  const int grp = v / (GROUP_M * tiles_n), first = grp * GROUP_M;
+  const int gsz = min(GROUP_M, mt_total - first), local = v - first * tiles_n;
+  const int tmg = first + local % gsz;
+  MTile t;
+  t.tn = local / gsz;
+  t.e = find_expert(tile_offsets, num_experts, tmg);
+  t.m0 = __ldg(offsets + t.e) + (tmg - __ldg(tile_offsets + t.e)) * BM;
+  t.m_end = __ldg(offsets + t.e + 1);
+  return t;
+}
+
 // ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
 // Thread t (0..127) of the warpgroup holds N/2 floats. Register i sits at
 //   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2)          (within the warpgroup's 64 rows)
