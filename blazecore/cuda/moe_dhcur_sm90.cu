@@ -104,9 +104,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         // slot li % INFO_SLOTS was last read (by the consumers and the epilogue warps) for tile li - INFO_SLOTS: the
         // consumers have released that tile's k-tiles and written the dh' of the tile after it, which the epilogue
         // warps waited for before they read the next slot
-        sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(static_cast<unsigned>(e),
-                           static_cast<unsigned>(m0), static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
-        sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+        sm90::post_tile(info0, info_full0, li, make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0),
+                                                          static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
       }
       const char* a_src[BM / 4];
       unsigned a_ok = 0;
@@ -149,8 +148,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       }
     }
     if (tid == 0) {
-      sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(~0u, 0u, 0u, 0u));
-      sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+      sm90::post_tile(info0, info_full0, li, make_uint4(~0u, 0u, 0u, 0u));
     }
     sm90::cp_async_wait_all();
   } else if (tid < 128) {

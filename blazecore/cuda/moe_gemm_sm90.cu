@@ -165,10 +165,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       if (tid == 0) {
         // slot li % INFO_SLOTS was last read by the consumers before they released the k-tiles of tile
         // li - INFO_SLOTS, which this thread has waited for (INFO_SLOTS >= STAGES + 1)
-        const uint4 desc = make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0), static_cast<unsigned>(m_end),
-                                      static_cast<unsigned>(tn));
-        sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), desc);
-        sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+        sm90::post_tile(info0, info_full0, li, make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0),
+                                                          static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
       }
       // Source rows as pointers to this thread's chunk of k-column 0 (a row past the expert's slots: bit i of a_ok
       // clear, zero-filled), so a k-tile's copy addresses are one add each: the per-copy 64-bit row arithmetic was
@@ -309,8 +307,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     }
     if (tid == 0) {
       // end of the CTA's tiles: a descriptor with e = ~0 (the slot is free, as for a tile li)
-      sm90::st_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS), make_uint4(~0u, 0u, 0u, 0u));
-      sm90::mbar_arrive(info_full0 + 8 * (li % sm90::INFO_SLOTS));
+      sm90::post_tile(info0, info_full0, li, make_uint4(~0u, 0u, 0u, 0u));
     }
     sm90::producer_drain<STAGES>(full0, it);
   } else {

@@ -99,6 +99,13 @@ __device__ __forceinline__ MTile m_tile(int v, int tiles_n, int mt_total, const 
   return t;
 }
 
+// The producer's tile descriptor li ({e, m0, m_end, tn}; e = ~0: the CTA's tiles are done) into slot li % INFO_SLOTS,
+// then its barrier (one arrival; the readers wait for phase li / INFO_SLOTS).
+__device__ __forceinline__ void post_tile(unsigned info0, unsigned info_full0, int li, uint4 desc) {
+  st_shared_v4(info0 + 16 * (li % INFO_SLOTS), desc);
+  mbar_arrive(info_full0 + 8 * (li % INFO_SLOTS));
+}
+
 // ---- accumulator fragment of wgmma m64nNk16 (fp32) ----------------------------------------------------
 // Thread t (0..127) of the warpgroup holds N/2 floats. Register i sits at
 //   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2)          (within the warpgroup's 64 rows)
