@@ -77,8 +77,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       sm90::mbar_init(full0 + 8 * s, 32 + 1);             // the copy warp's lanes + the TMA expect_tx
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);
     }
-    sm90::mbar_init(dh_full, 4 * sm90::CONSUMER_WGS);    // each consumer warp wrote its rows of dh'
-    sm90::mbar_init(dh_empty, 3);                         // each epilogue warp read its rows
+    // every thread arrives for itself (not one lane a warp after __syncwarp), so each one's own shared-memory
+    // accesses are ordered by its release-arrive and the other side's acquire-wait
+    sm90::mbar_init(dh_full, 128 * sm90::CONSUMER_WGS);  // each consumer thread wrote its part of dh'
+    sm90::mbar_init(dh_empty, 96);                        // each epilogue thread read its part
 #pragma unroll
     for (int i = 0; i < 4 * ZD; ++i) sm90::mbar_init(zbar0 + 8 * i, 1);  // the fetching lane's expect_tx
 #pragma unroll
@@ -228,14 +230,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         __syncwarp();  // every lane has read the slot before lane 0 refills it
         if (j + ZD < nj) fetch(j + ZD);
       }
-      __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(dh_empty);  // this warp's rows of dh' are read: the consumers may rewrite it
+      sm90::mbar_arrive(dh_empty);  // this thread's part of dh' is read: the consumers may rewrite it
     }
   } else {
     // ================================ consumer warpgroups ================================
     const int cw = (tid >> 7) - 1;
     const int t = tid & 127;
-    const int lane = t & 31;
     float acc[BN / 2];
     const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * sm90::ROW_BYTES, 16, 1024);
     const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, C::B_ATOM, 1024);
@@ -266,8 +266,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
                               sm90::pack2<T>(acc[i], acc[i + 1]));
         }
       }
-      __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(dh_full);
+      sm90::mbar_arrive(dh_full);
     }
   }
 #else
