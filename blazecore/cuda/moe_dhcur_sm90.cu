@@ -110,14 +110,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
                                                           static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
       }
       const char* a_src[BM / 4];
-      unsigned a_ok = 0;
-#pragma unroll
-      for (int i = 0; i < BM / 4; ++i) {
-        const int s = m0 + r0 + 4 * i;
-        const int row = s < m_end ? __ldg(slot_token + s) : -1;
-        a_ok |= (row >= 0 ? 1u : 0u) << i;
-        a_src[i] = reinterpret_cast<const char*>(A + (long long)(row >= 0 ? row : 0) * lda + cc * EPC);
-      }
+      const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, true, true, m0 + r0, 4, m_end, cc * EPC);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;

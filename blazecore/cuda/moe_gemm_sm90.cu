@@ -168,18 +168,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         sm90::post_tile(info0, info_full0, li, make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0),
                                                           static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
       }
-      // Source rows as pointers to this thread's chunk of k-column 0 (a row past the expert's slots: bit i of a_ok
-      // clear, zero-filled), so a k-tile's copy addresses are one add each: the per-copy 64-bit row arithmetic was
-      // most of the producer's instructions, which bound the gathered GEMMs
+      // Source rows as pointers (sm90::row_sources): the per-copy 64-bit row arithmetic was most of the producer's
+      // instructions, which bound the gathered GEMMs
       const char* a_src[BM / 16];
-      unsigned a_ok = 0;
-#pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const int s = m0 + r0 + 16 * i;
-        const int row = (!A_TMA && s < m_end) ? (A_GATHER ? __ldg(slot_token + s) : s) : -1;
-        a_ok |= (row >= 0 ? 1u : 0u) << i;
-        a_src[i] = reinterpret_cast<const char*>(A + (long long)(row >= 0 ? row : 0) * lda + cc * EPC);
-      }
+      const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, A_GATHER, !A_TMA, m0 + r0, 16, m_end, cc * EPC);
       // B K-major: rows r0 + 16 i of the [BN][64] tile (gated: first half gate rows n0 + .., second half
       // the up rows bup + n0 + ..); b_ok bit i: that row's output column is in range; b_off0 / b_off1: element
       // offsets (within expert e) of this thread's first gate (or plain) row and first up row.

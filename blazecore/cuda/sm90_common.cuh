@@ -99,6 +99,23 @@ __device__ __forceinline__ MTile m_tile(int v, int tiles_n, int mt_total, const 
   return t;
 }
 
+// The producer's gathered A rows s0 + step i (i < N) of a tile as pointers to the thread's chunk `col` of k-column 0,
+// so that a k-tile's copy addresses are one add each. Row s is slot_token[s] when `gather`, else s; rows at or past
+// m_end, and every row when !load, point at row 0 with their bit of the returned mask clear (zero-filled copies).
+template <int N, typename T>
+__device__ __forceinline__ unsigned row_sources(const char* (&src)[N], const T* A, long long lda, const int* slot_token,
+                                                bool gather, bool load, int s0, int step, int m_end, int col) {
+  unsigned ok = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int s = s0 + step * i;
+    const int row = (load && s < m_end) ? (gather ? __ldg(slot_token + s) : s) : -1;
+    ok |= (row >= 0 ? 1u : 0u) << i;
+    src[i] = reinterpret_cast<const char*>(A + (long long)(row >= 0 ? row : 0) * lda + col);
+  }
+  return ok;
+}
+
 // The producer's tile descriptor li ({e, m0, m_end, tn}; e = ~0: the CTA's tiles are done) into slot li % INFO_SLOTS,
 // then its barrier (one arrival; the readers wait for phase li / INFO_SLOTS).
 __device__ __forceinline__ void post_tile(unsigned info0, unsigned info_full0, int li, uint4 desc) {
