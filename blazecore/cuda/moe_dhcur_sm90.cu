@@ -52,13 +52,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   const int num_experts = p.num_experts, N = p.N, Kd = p.Kd, topk = p.topk, part_ld = p.part_ld;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
-  using C = sm90::DhCfg<STAGES>;
+  using C = sm90::DhCfg<BLZ_DH_PROBE_NODH ? BLZ_DH_PROBE_NODH : STAGES>;  // (the probe's ring, see sm90_ptx.cuh)
   constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, ZD = C::ZD, EPC = 8;
   constexpr bool G2 = act_gated(ACT);
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
-  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
-  const unsigned dh_full = empty0 + 8 * STAGES, dh_empty = dh_full + 8;
+  const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * C::STAGES;
+  const unsigned dh_full = empty0 + 8 * C::STAGES, dh_empty = dh_full + 8;
   const unsigned zbar0 = dh_empty + 8;                // z row slots: warp w's slot q at zbar0 + 8 (w ZD + q)
   const unsigned info_full0 = zbar0 + 8 * 4 * ZD;
   const unsigned info0 = sbase + C::INFO_OFFSET;
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
 
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < C::STAGES; ++s) {
       sm90::mbar_init(full0 + 8 * s, 32 + 1);             // the copy warp's lanes + the TMA expect_tx
       sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);
     }
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       const char* a_src[BM / 4];
       const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, true, true, m0 + r0, 4, m_end, cc * EPC);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
-        if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
+        if (it >= C::STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
         const int k0 = kt * BK;
         const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           for (int a = 0; a < BN / 64; ++a) sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
         }
         sm90::cp_async_arrive_noinc(full0 + 8 * stage);
-        if (++stage == STAGES) {
+        if (++stage == C::STAGES) {
           stage = 0;
           phase ^= 1u;
         }
@@ -192,7 +192,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         const float gs = j < 32 ? __shfl_sync(0xffffffffu, g0, j) : __shfl_sync(0xffffffffu, g1, j - 32);
         const int nc = n0 + EPC * lane;
         const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
-        const uint4 dv = sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
+        const uint4 dv =
+            BLZ_DH_PROBE_NODH ? sm90::ld_shared_v4(zw + slot * C::Z_SLOT + lane * 16)
+                              : sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
         const unsigned zs = zw + slot * C::Z_SLOT + lane * 16;
         const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
         const uint4 av = cok ? sm90::ld_shared_v4(zs) : zero;
@@ -244,19 +246,34 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP, (kt | ks) != 0);
       };
-      sm90::consumer_mainloop<STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
+      sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
           acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
       // dh' to shared memory once the producer has read the previous tile's
       if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
-      const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
+      if (BLZ_DH_STMATRIX) {
+        // matrices (column blocks 2 jj, 2 jj + 1) x (rows 0-7, 8-15 of the warp's 16): lane l addresses row l % 8 of
+        // matrix l / 8, that is row R below and 16-byte chunk 2 jj + l / 16
+        const int l = t & 31;
+        const int R = cw * 64 + 16 * ((t >> 5) & 3) + (l & 7) + 8 * ((l >> 3) & 1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int R = rr + 8 * h;
+        for (int jj = 0; jj < BN / 16; ++jj) {
+          const int i0 = sm90::acc_reg(2 * jj, 0), i1 = sm90::acc_reg(2 * jj, 1);
+          const int i2 = sm90::acc_reg(2 * jj + 1, 0), i3 = sm90::acc_reg(2 * jj + 1, 1);
+          sm90::stmatrix_x4(dhb + static_cast<unsigned>(R * C::DH_ROW + (((2 * jj + (l >> 4)) ^ (R & 7)) << 4)),
+                            sm90::pack2<T>(acc[i0], acc[i0 + 1]), sm90::pack2<T>(acc[i1], acc[i1 + 1]),
+                            sm90::pack2<T>(acc[i2], acc[i2 + 1]), sm90::pack2<T>(acc[i3], acc[i3 + 1]));
+        }
+      } else if (!BLZ_DH_PROBE_NODH) {
+        const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          const int i = sm90::acc_reg(j, h);
-          sm90::st_shared_u32(dhb + static_cast<unsigned>(R * C::DH_ROW + ((j ^ (R & 7)) << 4) + (c0 & 7) * 2),
-                              sm90::pack2<T>(acc[i], acc[i + 1]));
+        for (int h = 0; h < 2; ++h) {
+          const int R = rr + 8 * h;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const int i = sm90::acc_reg(j, h);
+            sm90::st_shared_u32(dhb + static_cast<unsigned>(R * C::DH_ROW + ((j ^ (R & 7)) << 4) + (c0 & 7) * 2),
+                                sm90::pack2<T>(acc[i], acc[i + 1]));
+          }
         }
       }
       sm90::mbar_arrive(dh_full);

@@ -68,7 +68,7 @@ template <int STAGES_> struct DhCfg {
   static constexpr int DH_ROW = BN * 2;                // 512 bytes
   static constexpr int DH_OFFSET = STAGES * STAGE_BYTES;
   static constexpr int Z_SLOT = 2 * DH_ROW;            // a row's gate and up halves
-  static constexpr int Z_OFFSET = DH_OFFSET + BM * DH_ROW;
+  static constexpr int Z_OFFSET = DH_OFFSET + (BLZ_DH_PROBE_NODH ? 0 : BM * DH_ROW);
   static constexpr int BAR_OFFSET = Z_OFFSET + 4 * ZD * Z_SLOT;
   static constexpr int NINFO = INFO_SLOTS;
   static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + 2 + 4 * ZD + NINFO) + 15) & ~15);

@@ -19,6 +19,16 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_HALF_B
 #define BLZ_PROBE_HALF_B 0
 #endif
+// moe_dhcur_sm90 only. Timing probe (wrong results): S = 3 or 4 leaves dh' out of shared memory (the consumers skip
+// their writes, the epilogue warps read z's gate half in its place) and runs an S-stage ring in what is freed.
+#ifndef BLZ_DH_PROBE_NODH
+#define BLZ_DH_PROBE_NODH 0
+#endif
+// moe_dhcur_sm90 only, not yet measured on a GPU: 1 writes the consumers' dh' by stmatrix (16 x4 a thread) instead
+// of 64 4-byte shared stores, into the same swizzled rows.
+#ifndef BLZ_DH_STMATRIX
+#define BLZ_DH_STMATRIX 0
+#endif
 #ifndef BLZ_SM90_PLAIN_A
 #define BLZ_SM90_PLAIN_A 1
 #endif
@@ -56,6 +66,13 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Four 8 x 8 matrices of 16-bit pairs to shared memory: register k is matrix k's fragment (thread t: row t / 4,
+// columns 2 (t % 4) + {0, 1}); lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared::cta.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
