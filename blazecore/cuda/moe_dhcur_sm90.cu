@@ -11,13 +11,15 @@
 // traffic run under the next tile's wgmmas.
 //
 // CTA = 3 warpgroups (384 threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
-//   warpgroup 0     producer: the gathered dy rows by cp.async (8 threads a 128-byte row, rows r0 + 16 i) and B's
-//                   four [64 k][64 n] atoms by TMA (box (64, 64), one issuing thread) into a STAGES-deep ring of 48 KB
-//                   stages, laid out as moe_gemm_sm90's N-major form; then the previous tile's epilogue: warp w owns
-//                   rows [32 w, 32 w + 32), lane l columns [8 l, 8 l + 8), one row a step, the steps spread over the
-//                   tile's k-tiles after the first STAGES (the consumers have finished the previous tile by then).
+//   warpgroup 0     warp 0 the copies: the gathered dy rows by cp.async (8 threads a 128-byte row, rows r0 + 4 i)
+//                   and B's four [64 k][64 n] atoms by TMA (box (64, 64), one issuing thread) into a STAGES-deep ring
+//                   of 48 KB stages, laid out as moe_gemm_sm90's N-major form. Warps 1-3 the previous tile's epilogue
+//                   while the consumers run this one's mainloop: warp w takes rows (w - 1) + 3 j, lane l the columns
+//                   [8 l, 8 l + 8).
 //                   Each z row comes by two 1-D bulk copies (gate and up halves) on an mbarrier of its own, ZD rows
-//                   ahead, so the z loads are not among the cp.async copies the ring's full barriers wait for.
+//                   ahead, so the z loads are not among the cp.async copies the ring's full barriers wait for. A warp
+//                   takes BLZ_DH_ROWS (2) rows a step, side by side: the epilogue is a chain of about 300 dependent
+//                   instructions a row on one warp a scheduler, and two chains at a time overlap their latencies.
 //   warpgroups 1, 2 consumers: rows [64 (w-1), 64 w) of the tile, 4 x wgmma m64n256k16 a k-tile; after the
 //                   mainloop each waits until the producer has read the previous tile's dh' ("dh-empty"), writes its
 //                   fragment as T pairs (row R at R * 512 bytes, 16-byte chunk c at c ^ (R % 8): conflict-free for the
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   const int num_experts = p.num_experts, N = p.N, Kd = p.Kd, topk = p.topk, part_ld = p.part_ld;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
-  using C = sm90::DhCfg<BLZ_DH_PROBE_NODH ? BLZ_DH_PROBE_NODH : STAGES>;  // (the probe's ring, see sm90_ptx.cuh)
+  using C = sm90::DhCfg<STAGES>;
   constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, ZD = C::ZD, EPC = 8;
   constexpr bool G2 = act_gated(ACT);
   extern __shared__ unsigned char sm90_smem[];
@@ -152,6 +154,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
     // ahead by two 1-D bulk copies each (gate and up halves) on the warp's slot barriers; fq / cq count the rows the
     // warp fetched / consumed over all its tiles, which picks the slot and its barrier's phase.
     constexpr int EW = 3, EJ = (BM + EW - 1) / EW;  // epilogue warps, rows a warp (at most)
+    constexpr int RS = BLZ_DH_ROWS;                  // rows a step
+    static_assert(RS >= 1 && RS <= ZD, "a step's rows are in flight together");
     const int w = (tid >> 5) - 1, lane = tid & 31;
     const unsigned zw = sbase + C::Z_OFFSET + static_cast<unsigned>(w * ZD * C::Z_SLOT);
     unsigned fq = 0, cq = 0;
@@ -183,47 +187,84 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       float g0 = 0.f, g1 = 0.f;
       if (lane < nj) g0 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * lane);
       if (32 + lane < nj) g1 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * (32 + lane));
-      sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
-      for (int j = 0; j < nj && BLZ_PROBE_EPI != 2; ++j) {
-        const int r = w + EW * j, s = m0 + r;
-        const unsigned slot = cq % ZD;
-        sm90::mbar_wait(zbar0 + 8 * (w * ZD + slot), (cq / ZD) & 1u);
-        ++cq;
-        const float gs = j < 32 ? __shfl_sync(0xffffffffu, g0, j) : __shfl_sync(0xffffffffu, g1, j - 32);
+      // R rows a step (R = RS, or 1 for the last nj % RS): their z waits first, then their loads, arithmetic, stores
+      // and dgates butterflies side by side, so the rows' dependent chains overlap
+      auto step = [&](int j, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        unsigned zs[R];
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+          const unsigned slot = cq % ZD;
+          sm90::mbar_wait(zbar0 + 8 * (w * ZD + slot), (cq / ZD) & 1u);
+          ++cq;
+          zs[q] = zw + slot * C::Z_SLOT + lane * 16;
+        }
         const int nc = n0 + EPC * lane;
         const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
-        const uint4 dv =
-            BLZ_DH_PROBE_NODH ? sm90::ld_shared_v4(zw + slot * C::Z_SLOT + lane * 16)
-                              : sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
-        const unsigned zs = zw + slot * C::Z_SLOT + lane * 16;
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-        const uint4 av = cok ? sm90::ld_shared_v4(zs) : zero;
-        const uint4 bv = (G2 && cok) ? sm90::ld_shared_v4(zs + C::DH_ROW) : zero;
-        const unsigned dw[4] = {dv.x, dv.y, dv.z, dv.w}, aw[4] = {av.x, av.y, av.z, av.w};
-        const unsigned bw[4] = {bv.x, bv.y, bv.z, bv.w};
-        unsigned da[4], db[4], hg[4];
-        float ps = 0.f;
+        unsigned da[R][4], db[R][4], hg[R][4];
+        float ps[R];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 a = sm90::unpack2<T>(aw[q]), b = G2 ? sm90::unpack2<T>(bw[q]) : make_float2(0.f, 0.f);
-          const float2 d = sm90::unpack2<T>(dw[q]);
-          const DhcurPair o = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d.x, d.y, gs);
-          da[q] = sm90::pack2<T>(o.da0, o.da1);
-          db[q] = sm90::pack2<T>(o.db0, o.db1);
-          hg[q] = sm90::pack2<T>(o.hg0, o.hg1);
-          ps += o.p;
+        for (int q = 0; q < R; ++q) {
+          const int jq = j + q, r = w + EW * jq;
+          const float gs = jq < 32 ? __shfl_sync(0xffffffffu, g0, jq) : __shfl_sync(0xffffffffu, g1, jq - 32);
+          const uint4 dv = sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
+          const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+          const uint4 av = cok ? sm90::ld_shared_v4(zs[q]) : zero;
+          const uint4 bv = (G2 && cok) ? sm90::ld_shared_v4(zs[q] + C::DH_ROW) : zero;
+          const unsigned dw[4] = {dv.x, dv.y, dv.z, dv.w}, aw[4] = {av.x, av.y, av.z, av.w};
+          const unsigned bw[4] = {bv.x, bv.y, bv.z, bv.w};
+          ps[q] = 0.f;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float2 a = sm90::unpack2<T>(aw[u]), b = G2 ? sm90::unpack2<T>(bw[u]) : make_float2(0.f, 0.f);
+            const float2 d = sm90::unpack2<T>(dw[u]);
+            const DhcurPair o = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d.x, d.y, gs);
+            da[q][u] = sm90::pack2<T>(o.da0, o.da1);
+            db[q][u] = sm90::pack2<T>(o.db0, o.db1);
+            hg[q][u] = sm90::pack2<T>(o.hg0, o.hg1);
+            ps[q] += o.p;
+          }
         }
         if (cok && !BLZ_PROBE_EPI) {
-          T* dzr = out + (long long)s * ldo + nc;
-          *reinterpret_cast<uint4*>(dzr) = make_uint4(da[0], da[1], da[2], da[3]);
-          if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = make_uint4(db[0], db[1], db[2], db[3]);
-          *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = make_uint4(hg[0], hg[1], hg[2], hg[3]);
-        }
 #pragma unroll
-        for (int m = 16; m >= 1; m >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, m);
-        if (lane == 0) part[(long long)s * part_ld + tn] = ps;
-        __syncwarp();  // every lane has read the slot before lane 0 refills it
-        if (j + ZD < nj) fetch(j + ZD);
+          for (int q = 0; q < R; ++q) {
+            const long long s = m0 + w + EW * (j + q);
+            T* dzr = out + s * ldo + nc;
+            *reinterpret_cast<uint4*>(dzr) = make_uint4(da[q][0], da[q][1], da[q][2], da[q][3]);
+            if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = make_uint4(db[q][0], db[q][1], db[q][2], db[q][3]);
+            *reinterpret_cast<uint4*>(out2 + s * ldo2 + nc) = make_uint4(hg[q][0], hg[q][1], hg[q][2], hg[q][3]);
+          }
+        }
+        if constexpr (R == 2) {
+          // one butterfly for both rows: after the first exchange lanes 0-15 hold row j's pair sums and lanes 16-31
+          // row j + 1's (each lane's own value first, as in a butterfly of its own, so the sums have the same bits)
+          const bool hi = (lane & 16) != 0;
+          float v = (hi ? ps[1] : ps[0]) + __shfl_xor_sync(0xffffffffu, hi ? ps[0] : ps[1], 16);
+#pragma unroll
+          for (int m = 8; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+          if ((lane & 15) == 0) part[(long long)(m0 + w + EW * (j + (hi ? 1 : 0))) * part_ld + tn] = v;
+        } else {
+#pragma unroll
+          for (int m = 16; m >= 1; m >>= 1) {
+#pragma unroll
+            for (int q = 0; q < R; ++q) ps[q] += __shfl_xor_sync(0xffffffffu, ps[q], m);
+          }
+          if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < R; ++q) part[(long long)(m0 + w + EW * (j + q)) * part_ld + tn] = ps[q];
+          }
+        }
+        __syncwarp();  // every lane has read the slots before lane 0 refills them
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+          if (j + q + ZD < nj) fetch(j + q + ZD);
+        }
+      };
+      sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
+      if (BLZ_PROBE_EPI != 2) {
+        int j = 0;
+        for (; j + RS <= nj; j += RS) step(j, sm90::IntC<RS>());
+        for (; j < nj; ++j) step(j, sm90::IntC<1>());
       }
       sm90::mbar_arrive(dh_empty);  // this thread's part of dh' is read: the consumers may rewrite it
     }
@@ -263,7 +304,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
                             sm90::pack2<T>(acc[i0], acc[i0 + 1]), sm90::pack2<T>(acc[i1], acc[i1 + 1]),
                             sm90::pack2<T>(acc[i2], acc[i2 + 1]), sm90::pack2<T>(acc[i3], acc[i3 + 1]));
         }
-      } else if (!BLZ_DH_PROBE_NODH) {
+      } else {
         const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -68,7 +68,7 @@ template <int STAGES_> struct DhCfg {
   static constexpr int DH_ROW = BN * 2;                // 512 bytes
   static constexpr int DH_OFFSET = STAGES * STAGE_BYTES;
   static constexpr int Z_SLOT = 2 * DH_ROW;            // a row's gate and up halves
-  static constexpr int Z_OFFSET = DH_OFFSET + (BLZ_DH_PROBE_NODH ? 0 : BM * DH_ROW);
+  static constexpr int Z_OFFSET = DH_OFFSET + BM * DH_ROW;
   static constexpr int BAR_OFFSET = Z_OFFSET + 4 * ZD * Z_SLOT;
   static constexpr int NINFO = INFO_SLOTS;
   static constexpr int INFO_OFFSET = BAR_OFFSET + ((8 * (2 * STAGES + 2 + 4 * ZD + NINFO) + 15) & ~15);
@@ -281,6 +281,11 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // fix-ups of the stage (it orders them before the wgmmas itself).
 // GENERIC_WRITES = false: only the tensor copy engine writes the stages (A and B by TMA), an async-proxy write
 // the wgmmas read with no proxy fence.
+// A compile-time int as a value (a lambda's argument that picks its unrolled form).
+template <int V> struct IntC {
+  static constexpr int value = V;
+};
+
 struct NoPrep {
   __device__ __forceinline__ void operator()(unsigned long long, int) const {}
 };

@@ -19,13 +19,10 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_HALF_B
 #define BLZ_PROBE_HALF_B 0
 #endif
-// moe_dhcur_sm90 only. Timing probe (wrong results): S = 3 or 4 leaves dh' out of shared memory (the consumers skip
-// their writes, the epilogue warps read z's gate half in its place) and runs an S-stage ring in what is freed.
-#ifndef BLZ_DH_PROBE_NODH
-#define BLZ_DH_PROBE_NODH 0
+// moe_dhcur_sm90 only: the epilogue warps' rows a step (1, 2 or 4).
+#ifndef BLZ_DH_ROWS
+#define BLZ_DH_ROWS 2
 #endif
-// moe_dhcur_sm90 only, not yet measured on a GPU: 1 writes the consumers' dh' by stmatrix (16 x4 a thread) instead
-// of 64 4-byte shared stores, into the same swizzled rows.
 #ifndef BLZ_DH_STMATRIX
 #define BLZ_DH_STMATRIX 0
 #endif
