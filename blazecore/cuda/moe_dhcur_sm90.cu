@@ -188,7 +188,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       if (lane < nj) g0 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * lane);
       if (32 + lane < nj) g1 = slot_gate(gates, slot_token, slot_k, topk, m0 + w + EW * (32 + lane));
       // R rows a step (R = RS, or 1 for the last nj % RS): their z waits first, then their loads, arithmetic, stores
-      // and dgates butterflies side by side, so the rows' dependent chains overlap
+      // and dgates butterflies side by side, so the rows' dependent chains overlap. dz_row / hg_row: the lane's
+      // columns of the step's first row in dz and g * hcur, advanced by EW rows a row.
+      const int nc = n0 + EPC * lane;
+      const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
+      const long long dz_step = (long long)EW * ldo, hg_step = (long long)EW * ldo2;
+      T* dz_row = out + (long long)(m0 + w) * ldo + nc;
+      T* hg_row = out2 + (long long)(m0 + w) * ldo2 + nc;
       auto step = [&](int j, auto rows) {
         constexpr int R = decltype(rows)::value;
         unsigned zs[R];
@@ -199,14 +205,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           ++cq;
           zs[q] = zw + slot * C::Z_SLOT + lane * 16;
         }
-        const int nc = n0 + EPC * lane;
-        const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
         unsigned da[R][4], db[R][4], hg[R][4];
         float ps[R];
 #pragma unroll
         for (int q = 0; q < R; ++q) {
           const int jq = j + q, r = w + EW * jq;
-          const float gs = jq < 32 ? __shfl_sync(0xffffffffu, g0, jq) : __shfl_sync(0xffffffffu, g1, jq - 32);
+          const float gs = __shfl_sync(0xffffffffu, jq < 32 ? g0 : g1, jq & 31);
           const uint4 dv = sm90::ld_shared_v4(dhb + static_cast<unsigned>(r * C::DH_ROW + ((lane ^ (r & 7)) << 4)));
           const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
           const uint4 av = cok ? sm90::ld_shared_v4(zs[q]) : zero;
@@ -228,13 +232,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         if (cok && !BLZ_PROBE_EPI) {
 #pragma unroll
           for (int q = 0; q < R; ++q) {
-            const long long s = m0 + w + EW * (j + q);
-            T* dzr = out + s * ldo + nc;
+            T* dzr = dz_row + q * dz_step;
             *reinterpret_cast<uint4*>(dzr) = make_uint4(da[q][0], da[q][1], da[q][2], da[q][3]);
             if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = make_uint4(db[q][0], db[q][1], db[q][2], db[q][3]);
-            *reinterpret_cast<uint4*>(out2 + s * ldo2 + nc) = make_uint4(hg[q][0], hg[q][1], hg[q][2], hg[q][3]);
+            *reinterpret_cast<uint4*>(hg_row + q * hg_step) = make_uint4(hg[q][0], hg[q][1], hg[q][2], hg[q][3]);
           }
         }
+        dz_row += R * dz_step;
+        hg_row += R * hg_step;
         if constexpr (R == 2) {
           // one butterfly for both rows: after the first exchange lanes 0-15 hold row j's pair sums and lanes 16-31
           // row j + 1's (each lane's own value first, as in a butterfly of its own, so the sums have the same bits)
