@@ -296,30 +296,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
       // dh' to shared memory once the producer has read the previous tile's
       if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
-      if (BLZ_DH_STMATRIX) {
-        // matrices (column blocks 2 jj, 2 jj + 1) x (rows 0-7, 8-15 of the warp's 16): lane l addresses row l % 8 of
-        // matrix l / 8, that is row R below and 16-byte chunk 2 jj + l / 16
-        const int l = t & 31;
-        const int R = cw * 64 + 16 * ((t >> 5) & 3) + (l & 7) + 8 * ((l >> 3) & 1);
+      const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
 #pragma unroll
-        for (int jj = 0; jj < BN / 16; ++jj) {
-          const int i0 = sm90::acc_reg(2 * jj, 0), i1 = sm90::acc_reg(2 * jj, 1);
-          const int i2 = sm90::acc_reg(2 * jj + 1, 0), i3 = sm90::acc_reg(2 * jj + 1, 1);
-          sm90::stmatrix_x4(dhb + static_cast<unsigned>(R * C::DH_ROW + (((2 * jj + (l >> 4)) ^ (R & 7)) << 4)),
-                            sm90::pack2<T>(acc[i0], acc[i0 + 1]), sm90::pack2<T>(acc[i1], acc[i1 + 1]),
-                            sm90::pack2<T>(acc[i2], acc[i2 + 1]), sm90::pack2<T>(acc[i3], acc[i3 + 1]));
-        }
-      } else {
-        const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
+      for (int h = 0; h < 2; ++h) {
+        const int R = rr + 8 * h;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int R = rr + 8 * h;
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            const int i = sm90::acc_reg(j, h);
-            sm90::st_shared_u32(dhb + static_cast<unsigned>(R * C::DH_ROW + ((j ^ (R & 7)) << 4) + (c0 & 7) * 2),
-                                sm90::pack2<T>(acc[i], acc[i + 1]));
-          }
+        for (int j = 0; j < BN / 8; ++j) {
+          const int i = sm90::acc_reg(j, h);
+          sm90::st_shared_u32(dhb + static_cast<unsigned>(R * C::DH_ROW + ((j ^ (R & 7)) << 4) + (c0 & 7) * 2),
+                              sm90::pack2<T>(acc[i], acc[i + 1]));
         }
       }
       sm90::mbar_arrive(dh_full);

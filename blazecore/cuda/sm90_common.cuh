@@ -78,6 +78,11 @@ template <int STAGES_> struct DhCfg {
   static_assert(INFO_SLOTS >= STAGES + 1, "a tile descriptor outlives the STAGES k-tiles the producer runs ahead");
 };
 
+// A compile-time int as a value (a lambda's argument that picks its unrolled form).
+template <int V> struct IntC {
+  static constexpr int value = V;
+};
+
 // ---- the M-grouped tile schedule (moe_gemm_sm90, moe_dhcur_sm90) ---------------------------------------------
 // Tile number v of the grouped order: GROUP_M m-tiles down one n-tile, then the next n-tile, so the CTAs working at a
 // time share a few weight slices and a few row blocks in L2. Returns the expert, its first slot of the m-tile, the
@@ -281,11 +286,6 @@ __device__ __forceinline__ void add_bias2(const T* be, int col, int n, float& v0
 // fix-ups of the stage (it orders them before the wgmmas itself).
 // GENERIC_WRITES = false: only the tensor copy engine writes the stages (A and B by TMA), an async-proxy write
 // the wgmmas read with no proxy fence.
-// A compile-time int as a value (a lambda's argument that picks its unrolled form).
-template <int V> struct IntC {
-  static constexpr int value = V;
-};
-
 struct NoPrep {
   __device__ __forceinline__ void operator()(unsigned long long, int) const {}
 };

@@ -23,9 +23,6 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_DH_ROWS
 #define BLZ_DH_ROWS 2
 #endif
-#ifndef BLZ_DH_STMATRIX
-#define BLZ_DH_STMATRIX 0
-#endif
 #ifndef BLZ_SM90_PLAIN_A
 #define BLZ_SM90_PLAIN_A 1
 #endif
@@ -63,13 +60,6 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Four 8 x 8 matrices of 16-bit pairs to shared memory: register k is matrix k's fragment (thread t: row t / 4,
-// columns 2 (t % 4) + {0, 1}); lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared::cta.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
