@@ -506,7 +506,7 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         Kd=Kd, topk=topk, part_ld=part_ld, store_h=store_h, store_z=store_z)
     extra, b_load = (), None
     if kern.sm90 and kern.variant(which).file == _FILE_DH90:  # dh' with its epilogue on the producer: B's map only
-        # z's rows go by 16-byte bulk copies: the layer's z (and its 256-column slices) always is 16-byte aligned
+        # z's rows go by 16-byte cp.async copies: the layer's z (and its 256-column slices) always is 16-byte aligned
         if _array.dry() is None and (aux.data.ptr % 16 or (ldaux * kern.itemsize) % 16):
             raise RuntimeError("dh': z's rows are not 16-byte aligned")
         grid = _persistent_grid(grid)

@@ -16,8 +16,11 @@
 //                   of 48 KB stages, laid out as moe_gemm_sm90's N-major form. Warps 1-3 the previous tile's epilogue
 //                   while the consumers run this one's mainloop: warp w takes rows (w - 1) + 3 j, lane l the columns
 //                   [8 l, 8 l + 8).
-//                   Each z row comes by two 1-D bulk copies (gate and up halves) on an mbarrier of its own, ZD rows
-//                   ahead, so the z loads are not among the cp.async copies the ring's full barriers wait for. A warp
+//                   Each z row comes ZD rows ahead into a slot with an mbarrier of its own: every lane copies its
+//                   own two 16-byte chunks (gate and up halves) by cp.async and arrives on the slot's barrier when
+//                   they land (cp.async.mbarrier.arrive; the copy warp's are other threads' copies, which the ring's
+//                   full barriers do not wait for). One lane issuing two 1-D bulk copies a row cost the epilogue
+//                   more: the copies take uniform operands and a proxy fence (docs/sm90_kernels.md). A warp
 //                   takes BLZ_DH_ROWS (2) rows a step, side by side: the epilogue is a chain of about 300 dependent
 //                   instructions a row on one warp a scheduler, and two chains at a time overlap their latencies.
 //   warpgroups 1, 2 consumers: rows [64 (w-1), 64 w) of the tile, 4 x wgmma m64n256k16 a k-tile; after the
@@ -84,7 +87,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
     sm90::mbar_init(dh_full, 128 * sm90::CONSUMER_WGS);  // each consumer thread wrote its part of dh'
     sm90::mbar_init(dh_empty, 96);                        // each epilogue thread read its part
 #pragma unroll
-    for (int i = 0; i < 4 * ZD; ++i) sm90::mbar_init(zbar0 + 8 * i, 1);  // the fetching lane's expect_tx
+    for (int i = 0; i < 4 * ZD; ++i) sm90::mbar_init(zbar0 + 8 * i, 32);  // each lane's copies (cp.async arrive)
 #pragma unroll
     for (int i = 0; i < sm90::INFO_SLOTS; ++i) sm90::mbar_init(info_full0 + 8 * i, 1);
   }
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   } else if (tid < 128) {
     // ================================ epilogue warps ================================
     // Warp w (1..3) takes the tile rows r = (w - 1) + 3 j (j < EJ), lane l the columns [8 l, 8 l + 8); z rows come ZD
-    // ahead by two 1-D bulk copies each (gate and up halves) on the warp's slot barriers; fq / cq count the rows the
+    // ahead, each lane's two 16-byte chunks by cp.async, on the warp's slot barriers; fq / cq count the rows the
     // warp fetched / consumed over all its tiles, which picks the slot and its barrier's phase.
     constexpr int EW = 3, EJ = (BM + EW - 1) / EW;  // epilogue warps, rows a warp (at most)
     constexpr int RS = BLZ_DH_ROWS;                  // rows a step
@@ -166,22 +169,25 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       const int m0 = static_cast<int>(ti.y), m_end = static_cast<int>(ti.z), tn = static_cast<int>(ti.w);
       const int n0 = tn * BN;
       const int nj = min(EJ, max(0, (min(BM, m_end - m0) - w + EW - 1) / EW));  // this warp's rows in the expert
-      auto fetch = [&](int j) {
+      const int nc = n0 + EPC * lane;
+      const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
+      // the lane's chunk of the next z row to fetch (the rows come in order, EW apart)
+      const T* zf = aux + (long long)(m0 + w) * ldaux + nc;
+      const long long zf_step = (long long)EW * ldaux;
+      auto fetch = [&]() {
+        // each lane copies its own two chunks, which only it reads: its last reads of them are in registers already
         const unsigned slot = fq % ZD;
-        if (lane == 0) {
-          const int s = m0 + w + EW * j;
-          const unsigned bytes = static_cast<unsigned>(min(BN, N - n0)) * sizeof(T);
-          const unsigned bar = zbar0 + 8 * (w * ZD + slot), dst = zw + slot * C::Z_SLOT;
-          sm90::fence_proxy_async_smem();  // the warp's reads of the slot (ordered by its __syncwarp) before the copy
-          sm90::mbar_arrive_expect_tx(bar, (G2 ? 2 : 1) * bytes);
-          const T* zr = aux + (long long)s * ldaux + n0;
-          sm90::bulk_load(dst, zr, bytes, bar);
-          if constexpr (G2) sm90::bulk_load(dst + C::DH_ROW, zr + zup, bytes, bar);
+        const unsigned dst = zw + slot * C::Z_SLOT + lane * 16;
+        if (cok) {
+          sm90::cp_async16_plain(dst, zf);
+          if constexpr (G2) sm90::cp_async16_plain(dst + C::DH_ROW, zf + zup);
         }
+        sm90::cp_async_arrive_noinc(zbar0 + 8 * (w * ZD + slot));
+        zf += zf_step;
         ++fq;
       };
       if (BLZ_PROBE_EPI != 2) {
-        for (int j = 0; j < min(ZD, nj); ++j) fetch(j);
+        for (int j = 0; j < min(ZD, nj); ++j) fetch();
       }
       // the rows' gates: lane l holds those of rows j = l and j = 32 + l
       float g0 = 0.f, g1 = 0.f;
@@ -190,8 +196,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       // R rows a step (R = RS, or 1 for the last nj % RS): their z waits first, then their loads, arithmetic, stores
       // and dgates butterflies side by side, so the rows' dependent chains overlap. dz_row / hg_row: the lane's
       // columns of the step's first row in dz and g * hcur, advanced by EW rows a row.
-      const int nc = n0 + EPC * lane;
-      const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
       const long long dz_step = (long long)EW * ldo, hg_step = (long long)EW * ldo2;
       T* dz_row = out + (long long)(m0 + w) * ldo + nc;
       T* hg_row = out2 + (long long)(m0 + w) * ldo2 + nc;
@@ -229,6 +233,11 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
             ps[q] += o.p;
           }
         }
+        // the step's z values are in registers: refill its slots before the stores
+#pragma unroll
+        for (int q = 0; q < R; ++q) {
+          if (j + q + ZD < nj) fetch();  // row j + q + ZD
+        }
         if (cok && !BLZ_PROBE_EPI) {
 #pragma unroll
           for (int q = 0; q < R; ++q) {
@@ -258,11 +267,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
 #pragma unroll
             for (int q = 0; q < R; ++q) part[(long long)(m0 + w + EW * (j + q)) * part_ld + tn] = ps[q];
           }
-        }
-        __syncwarp();  // every lane has read the slots before lane 0 refills them
-#pragma unroll
-        for (int q = 0; q < R; ++q) {
-          if (j + q + ZD < nj) fetch(j + q + ZD);
         }
       };
       sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
