@@ -72,9 +72,9 @@ _NULL = np.uint64(0)
 # come by cp.async. BLAZECORE_SM90_B_LOAD overrides the default for the layer; _Kernels takes it as an argument.
 B_LOADS = ("tma", "cp_async")
 B_LOAD = "tma"
-# How the sm_90a M-grouped epilogues store the output tiles: "tma" (a TMA store a warp's 16 x 64 box, asynchronous) or
-# "st_global" (16-byte stores by the warp's lanes); rows past an expert's slots always take the latter.
-# BLAZECORE_SM90_OUT_STORE overrides it.
+# How the sm_90a EPI_ROWSCALE epilogues (gemm2, gemm2z, dx) and the weight gradients store the output tiles: "tma" (a
+# TMA store a warp's 16 x 64 box, asynchronous) or "st_global" (16-byte stores by the warp's lanes); rows past an
+# expert's slots of the M-grouped kernels always take the latter. BLAZECORE_SM90_OUT_STORE overrides it.
 OUT_STORES = ("tma", "st_global")
 OUT_STORE = "tma"
 # The sm_90a weight gradients in 2-CTA clusters (moe_wgrad_sm90_x2): the CTAs of two m-tiles of one (expert, n-tile)
@@ -487,6 +487,27 @@ def _out_map(kern, role, out, ldo, N):
     return _tma.null_map() if m is None else m
 
 
+def _wgrad_out_map(kern, which, out, ldo, o_estride, E, M, N):
+    """tmap_o of a weight-gradient launch: out (E, M, N) with row stride ``ldo`` and expert stride ``o_estride``, as
+    3-D (N, M, E), box (64, 16, 1), 128-byte swizzle, or for the transposed tiles of dw13 (out[e][n][m]) (M, N, E),
+    box (16, 64, 1), no swizzle (32-byte rows). A null map (the kernel then stores by threads) where the copy engine
+    cannot take it: stores by threads asked for (OUT_STORE "st_global"), a dry run, or an address or stride that is
+    not 16-byte aligned."""
+    es = kern.itemsize
+    if (kern.out_store != "tma" or _array.dry() is not None or out.data.ptr % 16 or (ldo * es) % 16
+            or (o_estride * es) % 16 or min(M, N, E) <= 0):
+        return _tma.null_map()
+    dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
+    if which.startswith("dw13"):
+        dims, box, swizzle = (M, N, E), (16, 64, 1), _tma.SWIZZLE_NONE
+    else:
+        dims, box, swizzle = (N, M, E), (64, 16, 1), _tma.SWIZZLE_128B
+    try:
+        return _tma.tiled_map(out.data.ptr, dt, dims, (ldo * es, max(o_estride, 1) * es), box, swizzle)
+    except _tma.TmaError:
+        return _tma.null_map()
+
+
 GEMM_LAUNCHERS = ("_launch_m", "_launch_k")  # the launchers of every expert GEMM (the benchmarks time them)
 
 
@@ -556,7 +577,9 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         amap = _rows_map(kern, A, lda, M, 64) if which in _STAGED else None
         if which in _STAGED and amap is None and _array.dry() is None:
             raise RuntimeError(f"{which}: the staged rows cannot be read by TMA")  # a fresh buffer always can
-        extra = (_tma.null_map() if amap is None else amap, _tma.null_map() if bmap is None else bmap)
+        # out by TMA stores, the warp's 16 rows x 64 columns a box, where out can go so (tmap_o)
+        omap = _wgrad_out_map(kern, which, out, ldo, o_estride, E, M, N)
+        extra = (_tma.null_map() if amap is None else amap, _tma.null_map() if bmap is None else bmap, omap)
         # 2-CTA clusters multicasting B: the CTAs of m-tiles 2j and 2j + 1 pair up where every expert has an even
         # number of m-tiles (the grid's grouped order then puts them side by side)
         # (the staged-row roles, A by TMA too, measured 2-3% slower so: single CTAs)

@@ -20,7 +20,7 @@ MAP_DTYPE = np.dtype([("opaque", "<u8", (MAP_BYTES // 8,))])
 
 # CUtensorMapDataType / CUtensorMapSwizzle / CUtensorMapL2promotion (cuda.h)
 _DATA_TYPES = {"uint16": 1, "float16": 6, "bfloat16": 9}
-SWIZZLE_128B = 3
+SWIZZLE_NONE, SWIZZLE_128B = 0, 3
 _L2_PROMOTION_256B = 3
 
 _lock = threading.Lock()

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                                kblocks=blk[0], out=out, carry=None, carry_seen=None, lda=lda, ldb=ldb, ldo=ldo,
                                o_estride=oes, num_experts=E, M=M, N=N, num_kblocks=blk[1], carry_in=0, carry_out=0,
                                a_off32=0, b_off32=0)
-        fn((int(grid),), (G.NTHREADS90,), (args_, ma, mb), shared_mem=smem, stream=stream)
+        fn((int(grid),), (G.NTHREADS90,), (args_, ma, mb, null), shared_mem=smem, stream=stream)  # out by threads
 
     rows = []
     for shape in args.shapes.split(","):

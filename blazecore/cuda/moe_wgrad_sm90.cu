@@ -27,8 +27,14 @@ namespace blz {
 // per warp instruction), a B row BN / 8 chunks (BN = 256: 1 row, 512 contiguous bytes per instruction).
 // Slots past the expert's end and columns >= M / N are zero-filled (src-size 0).
 // Epilogue: each consumer warp converts its 16 rows x BN columns to T in four passes of 64 columns through its own
-// 4 KB staging area outside the ring (the M-grouped kernels' layout), then stores whole 16-byte chunks row by row
-// (transposed, OUT_T: 32 bytes of m a row n); 4-byte stores if out / ldo / o_estride are not 16-byte aligned.
+// 4 KB staging area outside the ring. With out's tensor map (tmap_o, see below) a pass goes into one 2 KB half of it
+// in the copy engine's 128-byte swizzle and one lane stores it by TMA, and the warp goes on (a half is rewritten once
+// the store two passes back has read it; the stores are waited for before exit). Without one the warp stores whole
+// 16-byte chunks row by row (transposed, OUT_T: 32 bytes of m a row n), 4-byte stores if out / ldo / o_estride are
+// not 16-byte aligned.
+// tmap_o: 3-D (N, M, E), box (64, 16, 1), 128-byte swizzle; OUT_T (M, N, E), box (16, 64, 1), no swizzle; strides
+// ldo and o_estride. The box clips at M and N, so a launch over a column slice never writes past it. All zeros: no
+// map.
 // Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
 // Arguments: moe_gemm's (MODE_K), KGroupedArgs (moe_args.cuh), then the tensor maps; CARRY_IN instantiates the
 // launch whose args.carry_in is set.
@@ -94,7 +100,7 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
 template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CARRY_IN, bool A_TMA, bool B_TMA,
           int STAGES, int CLUSTER>
 __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90::TmaMap& tmap_a,
-                                           const sm90::TmaMap& tmap_b) {
+                                           const sm90::TmaMap& tmap_b, const sm90::TmaMap& tmap_o) {
   const T* __restrict__ A = p.A;
   const T* __restrict__ B = p.B;
   const int* __restrict__ slot_token = p.slot_token;
@@ -261,6 +267,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     constexpr unsigned KSTEP = (16 * ROW_BYTES) >> 4;  // 16 slots = 2048 bytes, encoded
     const bool vec16 = (reinterpret_cast<unsigned long long>(out) & 15ull) == 0 && (ldo & 7) == 0 &&
                        (o_estride & 7) == 0;  // every 8-element chunk of W starts 16-byte aligned
+    const bool o_map = sm90::tma_map_given(&tmap_o);  // out by TMA stores
     auto store16 = [&](T* dst, uint4 v) {
       if (vec16) {
         *reinterpret_cast<uint4*>(dst) = v;
@@ -341,7 +348,44 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
       constexpr int P = 64, PASSES = BN / P;
       const unsigned stg = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
       const int fr = (lane >> 2), fc = 2 * (lane & 3);  // the thread's first fragment row in the warp, first column
-      if constexpr (OUT_T) {
+      if (o_map) {
+        // a pass: 16 rows m x 64 columns n of the warp in one 2 KB half of its staging, in the box's layout (16 rows
+        // of 128 bytes, the 128-byte swizzle; OUT_T: 64 rows n of 32 bytes of m, no swizzle); one lane stores it by TMA
+        constexpr int HALF = 16 * P * 2;
+        static_assert(2 * HALF <= sm90::EPI_WARP_BYTES, "two passes fit in the warp's staging");
+  #pragma unroll
+        for (int pp = 0; pp < PASSES; ++pp) {
+          const unsigned buf = stg + (pp & 1) * HALF;
+          if (lane == 0) sm90::bulk_wait_read<1>();  // the store two passes back has read this half
+          __syncwarp();
+          if constexpr (OUT_T) {
+  #pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+  #pragma unroll
+              for (int jj = 0; jj < P / 8; ++jj) {
+                const int j = pp * (P / 8) + jj, nl = 8 * jj + fc, ml = fr + 8 * hh;
+                const unsigned off = static_cast<unsigned>(nl * 32 + ml * 2);  // dense 32-byte rows, no swizzle
+                sm90::st_shared_u16(buf + off, sm90::pack1<T>(acc[sm90::acc_reg(j, hh)]));
+                sm90::st_shared_u16(buf + off + 32, sm90::pack1<T>(acc[sm90::acc_reg(j, hh) + 1]));
+              }
+          } else {
+            sm90::staged_put<P>(pp, fr, fc, [&](int hh, int j, int, unsigned off) {
+              const int r0 = sm90::acc_reg(j, hh);
+              sm90::st_shared_u32(buf + off, sm90::pack2<T>(acc[r0], acc[r0 + 1]));
+            });
+          }
+          sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
+          __syncwarp();
+          if (lane == 0) {
+            const int nc = n0 + pp * P;
+            if (nc < N && mrow0 < M && !BLZ_PROBE_EPI) {
+              if constexpr (OUT_T) sm90::tma_store_3d(&tmap_o, buf, mrow0, nc, e);
+              else sm90::tma_store_3d(&tmap_o, buf, nc, mrow0, e);
+            }
+            sm90::bulk_commit();
+          }
+        }
+      } else if constexpr (OUT_T) {
         // transposed: pass p stages columns n of [64 p, 64 p + 64) as rows of the warp's 16 m (32 bytes, pitch 48:
         // the fragment's 2-byte writes are free of bank conflicts), then each lane stores 16-byte halves of them
         constexpr int TP = 48;
@@ -381,12 +425,14 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
               });
       }
     }  // tiles
+    if (o_map && lane == 0) sm90::bulk_wait<0>();  // the TMA stores complete before the CTA's shared memory goes
   }
   if constexpr (CLUSTER > 1) sm90::cluster_sync();  // no remote arrival or multicast into a CTA that has exited
 #else
   (void)p;
   (void)tmap_a;
   (void)tmap_b;
+  (void)tmap_o;
   // Built for another target: this kernel needs sm_90a (wgmma, setmaxnreg); launch moe_gemm instead.
   __trap();
 #endif
@@ -397,8 +443,9 @@ template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CAR
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90(
     const KGroupedArgs<T> p,
     const __grid_constant__ sm90::TmaMap tmap_a,    // A_TMA: the A operand's tensor map
-    const __grid_constant__ sm90::TmaMap tmap_b) {  // B_TMA: the B operand's tensor map
-  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 1>(p, tmap_a, tmap_b);
+    const __grid_constant__ sm90::TmaMap tmap_b,    // B_TMA: the B operand's tensor map
+    const __grid_constant__ sm90::TmaMap tmap_o) {  // out's tensor map, or all zeros (see wgrad_body)
+  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 1>(p, tmap_a, tmap_b, tmap_o);
 }
 
 // The 2-CTA cluster form (CLUSTER = 2 above): grid a multiple of 2, every expert's m-tile count even. (Built for an
@@ -413,8 +460,9 @@ template <typename T, bool A_GATHER, bool B_GATHER, int BN, bool OUT_T, bool CAR
 __global__ void BLZ_CLUSTER_DIMS_2 __launch_bounds__(sm90::THREADS, 1) moe_wgrad_sm90_x2(
     const KGroupedArgs<T> p,
     const __grid_constant__ sm90::TmaMap tmap_a,
-    const __grid_constant__ sm90::TmaMap tmap_b) {
-  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 2>(p, tmap_a, tmap_b);
+    const __grid_constant__ sm90::TmaMap tmap_b,
+    const __grid_constant__ sm90::TmaMap tmap_o) {
+  wgrad_body<T, A_GATHER, B_GATHER, BN, OUT_T, CARRY_IN, A_TMA, B_TMA, STAGES, 2>(p, tmap_a, tmap_b, tmap_o);
 }
 
 }  // namespace blz
