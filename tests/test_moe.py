@@ -1182,6 +1182,60 @@ def test_sm90_wgrad_tma_partial_tiles_gpu(which, block_tokens, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("which", ["dw13", "dw2"])
+def test_sm90_wgrad_out_store_slices_gpu(which, monkeypatch):
+    """The sm_90a weight gradients store their tiles by TMA (a box of the warp's 16 rows x 64 columns; dw13's
+    transposed tiles 64 x 16) or by the warps' 16-byte stores (BLAZECORE_SM90_OUT_STORE=st_global). A launch over a
+    column slice of h (dw2: columns [c0, c0 + w) of h; dw13: rows [row0, row0 + pw) of 2h) with d and the slice off
+    the 64-column boxes and the 128 / 256 tiles must write its slice only (the rest keeps its sentinel), match a
+    float64 reference there, and give the same bits both ways."""
+    import cupy
+
+    from blazecore import _moe_gpu
+
+    if not _moe_gpu._Kernels(BF16, "swiglu").sm90:
+        pytest.skip("an sm_90a kernel")
+    rng = np.random.default_rng(5)
+    E, L, K, d, H, c0, w = 3, 97, 2, 200, 160, 48, 72  # H: 2h (dw13) or h (dw2); the slice [c0, c0 + w) of it
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(L)]).astype(np.int32)
+    disp = build_dispatch(cupy.asarray(ids), E)
+    offsets, slot_token = cupy.asnumpy(disp.expert_offsets), cupy.asnumpy(disp.slot_token)
+    S = rng.standard_normal((L * K, H)).astype(BF16)  # slot-indexed: dz (dw13) or g * hcur (dw2)
+    X = rng.standard_normal((L, d)).astype(BF16)  # gathered: x or dy
+    sentinel = np.uint16(0x7FC1)  # a NaN no kernel writes
+    stream = cupy.cuda.get_current_stream()
+    outs = {}
+    for store in ("tma", "st_global"):
+        monkeypatch.setenv("BLAZECORE_SM90_OUT_STORE", store)
+        kern = _moe_gpu._Kernels(BF16, "swiglu", b_load="tma")
+        assert kern.out_store == store
+        s_dev, x_dev = to_backend(S, "gpu"), to_backend(X, "gpu")
+        if which == "dw13":  # dw13 (E, 2h, d), its rows [c0, c0 + w) from dz's columns [c0, c0 + w)
+            out = cupy.full((E, H, d), sentinel, np.uint16)
+            _moe_gpu._dw13_part(kern, s_dev, x_dev, out, None, disp, c0, c0, w, E, d, K, None, 0, stream, None, 0, 0)
+        else:  # dw2 (E, d, h), its columns [c0, c0 + w) from the slice's g * hcur (L*K, w)
+            out = cupy.full((E, d, H), sentinel, np.uint16)
+            hg = to_backend(np.ascontiguousarray(S[:, c0:c0 + w]), "gpu")
+            _moe_gpu._dw2_slice(kern, hg, x_dev, out, disp, c0, E, d, H, None, 0, stream)
+        outs[store] = cupy.asnumpy(out)
+    s64, x64 = S.astype(np.float64), X.astype(np.float64)
+    for store, got in outs.items():
+        inside = np.zeros(got.shape, bool)
+        if which == "dw13":
+            inside[:, c0:c0 + w, :] = True
+        else:
+            inside[:, :, c0:c0 + w] = True
+        assert (got[~inside] == sentinel).all(), f"{store}: wrote outside the slice"
+        for e in range(E):
+            s0, s1 = offsets[e], offsets[e + 1]
+            want = s64[s0:s1, c0:c0 + w].T @ x64[slot_token[s0:s1]]  # (w, d)
+            g = got[e].view(BF16).astype(np.float64)
+            g = g[c0:c0 + w, :] if which == "dw13" else g[:, c0:c0 + w].T
+            assert_close(g, want, TOL[BF16], f"{store} expert {e}")
+    assert outs["tma"].tobytes() == outs["st_global"].tobytes(), "the two store paths give different bits"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cluster", ["1", "2"])
 @pytest.mark.parametrize("which", ["dw13", "dw2"])
 def test_sm90_wgrad_persistent_grids_gpu(which, cluster, monkeypatch):
