@@ -457,10 +457,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll
           for (int p = 0; p < BN / P; ++p) {
             const unsigned buf = ep + (p & 1) * HALF;
-            if (o_map) {  // the store that last read this half (two passes back) is done reading it
-              if (lane == 0) sm90::bulk_wait_read<1>();
-              __syncwarp();
-            }
+            if (o_map) sm90::tma_pass_begin(lane);
             auto put = [&](int h, int j, int c, unsigned off) {
               float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
               sm90::add_bias2(be, n0 + c, N, o0, o1, has_bias);
@@ -468,12 +465,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             };
             if (tma_rows) {
               sm90::staged_put<P>(p, fr, fc, put);
-              sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
-              __syncwarp();
-              if (lane == 0) {
+              sm90::tma_pass_end(lane, [&] {
                 if (n0 + p * P < N && !BLZ_PROBE_EPI) sm90::tma_store_2d(&tmap_o, buf, n0 + p * P, wrow0);
-                sm90::bulk_commit();
-              }
+              });
             } else {
               sm90::staged_pass<P>(p, fr, fc, lane, put, [&](int rl, unsigned off, int col) {
                 const int s = wrow0 + rl, nc = n0 + col;

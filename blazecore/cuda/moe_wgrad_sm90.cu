@@ -356,8 +356,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   #pragma unroll
         for (int pp = 0; pp < PASSES; ++pp) {
           const unsigned buf = stg + (pp & 1) * HALF;
-          if (lane == 0) sm90::bulk_wait_read<1>();  // the store two passes back has read this half
-          __syncwarp();
+          sm90::tma_pass_begin(lane);
           if constexpr (OUT_T) {
   #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
@@ -374,16 +373,13 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
               sm90::st_shared_u32(buf + off, sm90::pack2<T>(acc[r0], acc[r0 + 1]));
             });
           }
-          sm90::fence_proxy_async_smem();  // the staging's generic writes -> the copy engine's reads
-          __syncwarp();
-          if (lane == 0) {
+          sm90::tma_pass_end(lane, [&] {
             const int nc = n0 + pp * P;
             if (nc < N && mrow0 < M && !BLZ_PROBE_EPI) {
               if constexpr (OUT_T) sm90::tma_store_3d(&tmap_o, buf, mrow0, nc, e);
               else sm90::tma_store_3d(&tmap_o, buf, nc, mrow0, e);
             }
-            sm90::bulk_commit();
-          }
+          });
         }
       } else if constexpr (OUT_T) {
         // transposed: pass p stages columns n of [64 p, 64 p + 64) as rows of the warp's 16 m (32 bytes, pitch 48:

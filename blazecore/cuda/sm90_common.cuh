@@ -249,6 +249,23 @@ __device__ __forceinline__ void staged_put(int p, int fr, int fc, Put&& put) {
       put(h, j, c, stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2);
     }
 }
+// A staged pass stored by TMA from one of two halves of the warp's staging (the epilogues of moe_gemm_sm90's
+// EPI_ROWSCALE and moe_wgrad_sm90): tma_pass_begin before the warp writes a half (the store two passes back, which
+// last read it, is done reading), tma_pass_end after (the generic writes fenced for the copy engine, then lane 0 runs
+// store(), which issues the pass's TMA store or none, and commits the bulk group). The warp waits for its last stores
+// (bulk_wait<0>) before the CTA exits.
+__device__ __forceinline__ void tma_pass_begin(int lane) {
+  if (lane == 0) bulk_wait_read<1>();
+  __syncwarp();
+}
+template <class Store> __device__ __forceinline__ void tma_pass_end(int lane, Store&& store) {
+  fence_proxy_async_smem();
+  __syncwarp();
+  if (lane == 0) {
+    store();
+    bulk_commit();
+  }
+}
 template <int P, class Put, class Copy>
 __device__ __forceinline__ void staged_pass(int p, int fr, int fc, int lane, Put&& put, Copy&& copy) {
   constexpr int PCPR = P / 8, RPI = 32 / PCPR;  // 16-byte chunks per staged row; rows per warp instruction
