@@ -136,9 +136,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         }
         if (tid == 0) {
           const unsigned bar = full0 + 8 * stage;
-          sm90::mbar_arrive_expect_tx(bar, C::B_BYTES);
+          sm90::mbar_arrive_expect_tx(bar, C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1));
 #pragma unroll
-          for (int a = 0; a < BN / 64; ++a) sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
+          for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+            sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
         }
         sm90::cp_async_arrive_noinc(full0 + 8 * stage);
         if (++stage == C::STAGES) {
