@@ -16,6 +16,8 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #define BLZ_PROBE_EPI 0
 #endif
 // Timing probe only (wrong results): 1 loads half of each stage's TMA B tile (the bytes a 2-CTA multicast would save).
+// Run it with BLAZECORE_SM90_CLUSTER=1: the weight gradients' clusters multicast all of B, which the halved
+// transaction count does not expect (the full barrier never completes).
 #ifndef BLZ_PROBE_HALF_B
 #define BLZ_PROBE_HALF_B 0
 #endif

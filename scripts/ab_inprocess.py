@@ -1,0 +1,123 @@
+"""In-process A/B of kernel build options (GPU): one process, the option sets taken in turn, interleaved in rounds.
+
+Each problem is the layer's forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bf16, bench_gemm's problem of
+a shape at a token count). After every set has run it twice (its kernels compiled: the on-disk cache keys on the
+options) and ``--warm-seconds`` of load, each round times every set in turn: per GEMM the CUPTI kernel ms (median of
+``--calls`` steps, ``bench_gemm.launcher_kernel_ms``) and the step's CUDA-event ms ("layer", mean of ``--calls``). The
+sets share one warm GPU and alternate within each round, so the power cap's drift moves them together; compare within
+a round. Sets are ``LABEL:NVRTC options[:VAR=VALUE ...]`` as for scripts/ab_options.sh (``-`` for no options where an
+environment field follows; the environment is set for the set's calls and restored after).
+
+Usage (repository root): PYTHONPATH=.:adapters:app python scripts/ab_inprocess.py OUT.json \\
+    --set base: --set probe:-DBLZ_PROBE_HALF_B=1 [--shapes olmoe,fine] [--tokens 32k] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_set(spec: str) -> tuple[str, str, dict]:
+    """'LABEL:opts[:VAR=VALUE ...]' -> (label, NVRTC options, {VAR: VALUE})."""
+    label, sep, rest = spec.partition(":")
+    if not label or not sep:
+        raise ValueError(f"option set {spec!r}: want LABEL:NVRTC options[:VAR=VALUE ...]")
+    opts, _, envs = rest.partition(":")
+    env = {}
+    for word in envs.split():
+        var, eq, value = word.partition("=")
+        if not var or not eq:
+            raise ValueError(f"option set {spec!r}: environment field {word!r} is not VAR=VALUE")
+        env[var] = value
+    return label, "" if opts.strip() == "-" else opts.strip(), env
+
+
+class _Applied:
+    """The set's NVRTC options and environment for the calls inside the block."""
+
+    def __init__(self, opts: str, env: dict):
+        self.opts, self.env, self.saved = opts, env, {}
+
+    def __enter__(self):
+        for var in ("BLAZECORE_NVRTC_OPTIONS", *self.env):
+            self.saved[var] = os.environ.get(var)
+        os.environ["BLAZECORE_NVRTC_OPTIONS"] = self.opts
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for var, value in self.saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the JSON file to write")
+    ap.add_argument("--set", dest="sets", action="append", required=True, help="LABEL:NVRTC options[:VAR=VALUE ...]")
+    ap.add_argument("--shapes", default="olmoe,qwen3,fine,mixtral")
+    ap.add_argument("--tokens", default="32k")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--warm-seconds", type=float, default=4.0)
+    args = ap.parse_args(argv)
+    try:
+        sets = [parse_set(s) for s in args.sets]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if len({s[0] for s in sets}) != len(sets):
+        ap.error("--set: labels must differ")
+
+    import torch
+    from blazecore_torch import ops
+
+    import bench.bench_gemm as bg
+    from bench import _common as common
+
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in bg.SHAPES]
+    if bad:
+        ap.error(f"--shapes: unknown {', '.join(bad)}")
+    L = common.parse_count(args.tokens)
+    ms: dict = {}
+    for shape in shapes:
+        d, h, E, K = bg.SHAPES[shape]
+        step = bg.blazecore_step(torch, ops, *bg._problem(torch, d, h, E, K, L))
+        for _, opts, env in sets:
+            with _Applied(opts, env):
+                step()
+                step()
+        torch.cuda.synchronize()
+        t0 = time.time()
+        while time.time() - t0 < args.warm_seconds:
+            step()
+        torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for label, opts, env in sets:
+                with _Applied(opts, env):
+                    got = bg.launcher_kernel_ms(torch, step, args.calls)
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(args.calls):
+                        step()
+                    e1.record()
+                    torch.cuda.synchronize()
+                got["layer"] = e0.elapsed_time(e1) / args.calls
+                for gemm, v in got.items():
+                    ms.setdefault(shape, {}).setdefault(gemm, {}).setdefault(label, []).append(round(v, 4))
+        print(shape, json.dumps(ms[shape]), flush=True)
+    header = {**common.gpu_header(), "bench": "ab_inprocess", "tokens": L, "rounds": args.rounds,
+              "calls": args.calls, "warm_seconds": args.warm_seconds,
+              "sets": {label: {"nvrtc_options": opts, "env": env} for label, opts, env in sets}}
+    with open(args.out, "w") as f:
+        json.dump({"header": header, "ms": ms}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

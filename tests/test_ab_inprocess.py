@@ -1,0 +1,40 @@
+"""scripts/ab_inprocess.py's option-set parsing and environment handling (CPU)."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ab_inprocess.py"
+_spec = importlib.util.spec_from_file_location("ab_inprocess", _SCRIPT)
+ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+
+def test_parse_set_forms():
+    assert ab.parse_set("base:") == ("base", "", {})
+    assert ab.parse_set("p:-DBLZ_PROBE_HALF_B=1 -DX=2") == ("p", "-DBLZ_PROBE_HALF_B=1 -DX=2", {})
+    assert ab.parse_set("one:-:BLAZECORE_SM90_CLUSTER=1 A=b") == ("one", "", {"BLAZECORE_SM90_CLUSTER": "1", "A": "b"})
+
+
+@pytest.mark.parametrize("spec", ["base", ":x", "p:-:NOTPAIR"])
+def test_parse_set_refuses_bad_specs(spec):
+    with pytest.raises(ValueError, match="option set"):
+        ab.parse_set(spec)
+
+
+def test_applied_sets_and_restores_the_environment(monkeypatch):
+    monkeypatch.setenv("BLAZECORE_NVRTC_OPTIONS", "-DKEEP=1")
+    monkeypatch.delenv("AB_TEST_VAR", raising=False)
+    with ab._Applied("-DPROBE=1", {"AB_TEST_VAR": "7"}):
+        assert os.environ["BLAZECORE_NVRTC_OPTIONS"] == "-DPROBE=1"
+        assert os.environ["AB_TEST_VAR"] == "7"
+    assert os.environ["BLAZECORE_NVRTC_OPTIONS"] == "-DKEEP=1"
+    assert "AB_TEST_VAR" not in os.environ
+
+
+def test_main_refuses_duplicate_labels_before_any_gpu_work(capsys):
+    with pytest.raises(SystemExit):
+        ab.main(["out.json", "--set", "a:", "--set", "a:-DX=1"])
+    assert "labels must differ" in capsys.readouterr().err
