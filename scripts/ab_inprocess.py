@@ -101,13 +101,7 @@ def main(argv=None) -> int:
             for label, opts, env in sets:
                 with _Applied(opts, env):
                     got = bg.launcher_kernel_ms(torch, step, args.calls)
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(args.calls):
-                        step()
-                    e1.record()
-                    torch.cuda.synchronize()
-                got["layer"] = e0.elapsed_time(e1) / args.calls
+                    got["layer"] = common.cuda_time(step, warmup=0, repeats=args.calls).median_ms
                 for gemm, v in got.items():
                     ms.setdefault(shape, {}).setdefault(gemm, {}).setdefault(label, []).append(round(v, 4))
         print(shape, json.dumps(ms[shape]), flush=True)
