@@ -3,7 +3,7 @@
 Each problem is the layer's forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bf16, bench_gemm's problem of
 a shape at a token count). After every set has run it twice (its kernels compiled: the on-disk cache keys on the
 options) and ``--warm-seconds`` of load, each round times every set in turn: per GEMM the CUPTI kernel ms (median of
-``--calls`` steps, ``bench_gemm.launcher_kernel_ms``) and the step's CUDA-event ms ("layer", mean of ``--calls``). The
+``--calls`` steps, ``bench_gemm.launcher_kernel_ms``) and the step's CUDA-event ms ("layer", median of ``--calls``). The
 sets share one warm GPU and alternate within each round, so the power cap's drift moves them together; compare within
 a round. Sets are ``LABEL:NVRTC options[:VAR=VALUE ...]`` as for scripts/ab_options.sh (``-`` for no options where an
 environment field follows; the environment is set for the set's calls and restored after).
