@@ -6,7 +6,9 @@ options) and ``--warm-seconds`` of load, each round times every set in turn: per
 ``--calls`` steps, ``bench_gemm.launcher_kernel_ms``) and the step's CUDA-event ms ("layer", median of ``--calls``). The
 sets share one warm GPU and alternate within each round, so the power cap's drift moves them together; compare within
 a round. Sets are ``LABEL:NVRTC options[:VAR=VALUE ...]`` as for scripts/ab_options.sh (``-`` for no options where an
-environment field follows; the environment is set for the set's calls and restored after).
+environment field follows; the environment is set for the set's calls and restored after). A field whose name has a
+dot, ``module.ATTR=INT`` (e.g. ``blazecore._moe_gpu.O_SLICE_COLS=2048``), sets that module attribute to the integer
+for the set's calls instead, and restores it after.
 
 Usage (repository root): PYTHONPATH=.:adapters:app python scripts/ab_inprocess.py OUT.json \\
     --set base: --set probe:-DBLZ_PROBE_HALF_B=1 [--shapes olmoe,fine] [--tokens 32k] [--rounds 3]
@@ -37,16 +39,28 @@ def parse_set(spec: str) -> tuple[str, str, dict]:
 
 
 class _Applied:
-    """The set's NVRTC options and environment for the calls inside the block."""
+    """The set's NVRTC options, environment and module attributes (``module.ATTR`` fields) for the calls inside the
+    block."""
 
     def __init__(self, opts: str, env: dict):
-        self.opts, self.env, self.saved = opts, env, {}
+        self.opts, self.saved, self.saved_attrs = opts, {}, []
+        self.env = {k: v for k, v in env.items() if "." not in k}
+        self.attrs = {k: v for k, v in env.items() if "." in k}
 
     def __enter__(self):
+        import importlib
+
         for var in ("BLAZECORE_NVRTC_OPTIONS", *self.env):
             self.saved[var] = os.environ.get(var)
         os.environ["BLAZECORE_NVRTC_OPTIONS"] = self.opts
         os.environ.update(self.env)
+        for field, value in self.attrs.items():
+            mod_name, _, attr = field.rpartition(".")
+            mod = importlib.import_module(mod_name)
+            if not hasattr(mod, attr):
+                raise AttributeError(f"option set field {field!r}: {mod_name} has no attribute {attr!r}")
+            self.saved_attrs.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, int(value))
 
     def __exit__(self, *exc):
         for var, value in self.saved.items():
@@ -54,6 +68,9 @@ class _Applied:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
+        for mod, attr, value in reversed(self.saved_attrs):
+            setattr(mod, attr, value)
+        self.saved_attrs = []
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,23 @@ def test_main_refuses_duplicate_labels_before_any_gpu_work(capsys):
     with pytest.raises(SystemExit):
         ab.main(["out.json", "--set", "a:", "--set", "a:-DX=1"])
     assert "labels must differ" in capsys.readouterr().err
+
+
+def test_applied_sets_and_restores_module_attributes(monkeypatch):
+    monkeypatch.delenv("AB_TEST_VAR", raising=False)
+    label, opts, env = ab.parse_set("s:-:AB_TEST_VAR=1 tests_ab_attr_mod.VALUE=2048")
+    mod = types.ModuleType("tests_ab_attr_mod")
+    mod.VALUE = 1024
+    monkeypatch.setitem(sys.modules, "tests_ab_attr_mod", mod)
+    with ab._Applied(opts, env):
+        assert mod.VALUE == 2048 and os.environ["AB_TEST_VAR"] == "1"
+        assert "tests_ab_attr_mod.VALUE" not in os.environ
+    assert mod.VALUE == 1024 and "AB_TEST_VAR" not in os.environ
+
+
+def test_applied_refuses_an_unknown_attribute(monkeypatch):
+    mod = types.ModuleType("tests_ab_attr_mod2")
+    monkeypatch.setitem(sys.modules, "tests_ab_attr_mod2", mod)
+    with pytest.raises(AttributeError, match="no attribute 'MISSING'"):
+        with ab._Applied("", {"tests_ab_attr_mod2.MISSING": "1"}):
+            pass

@@ -458,13 +458,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
           for (int p = 0; p < BN / P; ++p) {
             const unsigned buf = ep + (p & 1) * HALF;
             if (o_map) sm90::tma_pass_begin(lane);
-            auto put = [&](int h, int j, int c, unsigned off) {
+            auto pair = [&](int h, int j) {  // the T pair of row slot h, columns fc + 8 j, + 1
               float o0 = acc[sm90::acc_reg(j, h)], o1 = acc[sm90::acc_reg(j, h) + 1];
-              sm90::add_bias2(be, n0 + c, N, o0, o1, has_bias);
-              sm90::st_shared_u32(buf + off, sm90::pack2<T>(o0 * gs[h], o1 * gs[h]));
+              sm90::add_bias2(be, n0 + fc + 8 * j, N, o0, o1, has_bias);
+              return sm90::pack2<T>(o0 * gs[h], o1 * gs[h]);
             };
+            auto put = [&](int h, int j, int, unsigned off) { sm90::st_shared_u32(buf + off, pair(h, j)); };
             if (tma_rows) {
-              sm90::staged_put<P>(p, fr, fc, put);
+              sm90::staged_put_x4<P, false>(buf, p, lane, pair);
               sm90::tma_pass_end(lane, [&] {
                 if (n0 + p * P < N && !BLZ_PROBE_EPI) sm90::tma_store_2d(&tmap_o, buf, n0 + p * P, wrow0);
               });

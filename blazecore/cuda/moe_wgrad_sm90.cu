@@ -348,6 +348,10 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
       constexpr int P = 64, PASSES = BN / P;
       const unsigned stg = sbase + C::EPI_OFFSET + static_cast<unsigned>((cw * 4 + wq) * sm90::EPI_WARP_BYTES);
       const int fr = (lane >> 2), fc = 2 * (lane & 3);  // the thread's first fragment row in the warp, first column
+      auto pair = [&](int hh, int j) {  // the T pair of row slot hh, columns fc + 8 j, + 1
+        const int r0 = sm90::acc_reg(j, hh);
+        return sm90::pack2<T>(acc[r0], acc[r0 + 1]);
+      };
       if (o_map) {
         // a pass: 16 rows m x 64 columns n of the warp in one 2 KB half of its staging, in the box's layout (16 rows
         // of 128 bytes, the 128-byte swizzle; OUT_T: 64 rows n of 32 bytes of m, no swizzle); one lane stores it by TMA
@@ -357,22 +361,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         for (int pp = 0; pp < PASSES; ++pp) {
           const unsigned buf = stg + (pp & 1) * HALF;
           sm90::tma_pass_begin(lane);
-          if constexpr (OUT_T) {
-  #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-  #pragma unroll
-              for (int jj = 0; jj < P / 8; ++jj) {
-                const int j = pp * (P / 8) + jj, nl = 8 * jj + fc, ml = fr + 8 * hh;
-                const unsigned off = static_cast<unsigned>(nl * 32 + ml * 2);  // dense 32-byte rows, no swizzle
-                sm90::st_shared_u16(buf + off, sm90::pack1<T>(acc[sm90::acc_reg(j, hh)]));
-                sm90::st_shared_u16(buf + off + 32, sm90::pack1<T>(acc[sm90::acc_reg(j, hh) + 1]));
-              }
-          } else {
-            sm90::staged_put<P>(pp, fr, fc, [&](int hh, int j, int, unsigned off) {
-              const int r0 = sm90::acc_reg(j, hh);
-              sm90::st_shared_u32(buf + off, sm90::pack2<T>(acc[r0], acc[r0 + 1]));
-            });
-          }
+          sm90::staged_put_x4<P, OUT_T>(buf, pp, lane, pair);
           sm90::tma_pass_end(lane, [&] {
             const int nc = n0 + pp * P;
             if (nc < N && mrow0 < M && !BLZ_PROBE_EPI) {
@@ -410,10 +399,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   #pragma unroll
         for (int pp = 0; pp < PASSES; ++pp)
           sm90::staged_pass<P>(pp, fr, fc, lane,
-              [&](int hh, int j, int, unsigned off) {
-                const int r0 = sm90::acc_reg(j, hh);
-                sm90::st_shared_u32(stg + off, sm90::pack2<T>(acc[r0], acc[r0 + 1]));
-              },
+              [&](int hh, int j, int, unsigned off) { sm90::st_shared_u32(stg + off, pair(hh, j)); },
               [&](int rl, unsigned off, int col) {
                 const uint4 val = sm90::ld_shared_v4(stg + off);
                 const int m = mrow0 + rl, n = n0 + col;

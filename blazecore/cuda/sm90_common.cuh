@@ -237,7 +237,7 @@ template <int CPR> __device__ __forceinline__ unsigned stage_off(int rl, int ch)
 // offset in a staging array of P columns); then, once the warp's writes are visible, copy(rl, off, col) for this
 // lane's 16-byte chunks (row rl of the warp, chunk offset off, first column col in the tile). The closing
 // __syncwarp lets the next pass (or tile) rewrite the staging.
-// staged_put: the put half of a pass alone (the caller moves the staging out itself, e.g. by a TMA store).
+// staged_put: the put half of a pass alone, 4-byte stores (staged_put_x4 writes the same layout by stmatrix).
 template <int P, class Put>
 __device__ __forceinline__ void staged_put(int p, int fr, int fc, Put&& put) {
   constexpr int PCPR = P / 8;  // 16-byte chunks per staged row
@@ -248,6 +248,24 @@ __device__ __forceinline__ void staged_put(int p, int fr, int fc, Put&& put) {
       const int j = p * (P / 8) + jj, c = fc + 8 * j;
       put(h, j, c, stage_off<PCPR>(fr + 8 * h, jj) + (c & 7) * 2);
     }
+}
+// The put half of a pass whose staging a TMA store drains (EPI_ROWSCALE, the weight gradients): staged_put's layout
+// (TRANS = false: 16 rows of P = 64 columns, stage_off<8>) written by stmatrix, four x4 stores a pass instead of 16
+// 4-byte stores; or (TRANS = true) the pass transposed, as 64 rows n of 32 bytes (16 rows m, element (m, n) at
+// n * 32 + m * 2, no swizzle), four x4.trans stores instead of 32 2-byte stores. pair(h, j) is the thread's T pair of row slot h and column group j
+// (columns 8 j + fc, + 1), j = p * 8 + jj. An x4 takes the matrices (jj, h = 0), (jj, 1), (jj + 1, 0), (jj + 1, 1);
+// lane l addresses stored row l % 8 of matrix l / 8. Both layouts take an x4 in 4 wavefronts (no bank conflicts).
+template <int P, bool TRANS, class Pair>
+__device__ __forceinline__ void staged_put_x4(unsigned buf, int p, int lane, Pair&& pair) {
+  static_assert(P == 64, "a pass of 64 columns: 16-byte chunks 0..7 of a 128-byte row");
+  const int r = lane & 7, hq = (lane >> 3) & 1, jq = lane >> 4;
+#pragma unroll
+  for (int jj = 0; jj < P / 8; jj += 2) {
+    const int j = p * (P / 8) + jj;
+    const unsigned addr = TRANS ? buf + static_cast<unsigned>((8 * (jj + jq) + r) * 32 + 16 * hq)
+                                : buf + stage_off<P / 8>(8 * hq + r, jj + jq);
+    stmatrix_x4<TRANS>(addr, pair(0, j), pair(1, j), pair(0, j + 1), pair(1, j + 1));
+  }
 }
 // A staged pass stored by TMA from one of two halves of the warp's staging (the epilogues of moe_gemm_sm90's
 // EPI_ROWSCALE and moe_wgrad_sm90): tma_pass_begin before the warp writes a half (the store two passes back, which

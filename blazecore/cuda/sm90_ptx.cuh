@@ -184,6 +184,21 @@ __device__ __forceinline__ void st_shared_u16(unsigned addr, unsigned short v) {
 __device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+// Four 8 x 8 matrices of 16-bit elements to shared memory: register k holds matrix k's fragment (thread t: row t / 4,
+// columns 2 (t % 4) + {0, 1}, the accumulator pairs' layout); lane l gives the address of stored row l % 8 of matrix
+// l / 8 (16 bytes). TRANS: each matrix is stored transposed (stored row i = column i of the fragment's matrix).
+template <bool TRANS>
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  if constexpr (TRANS) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared::cta.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared::cta.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  }
+}
 __device__ __forceinline__ void ldmatrix_x4_s(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
