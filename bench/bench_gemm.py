@@ -24,7 +24,10 @@ Clock state: the H200 and H100 run these GEMMs at their power limit, so the SM c
 cool GPU to 1.5-1.6 GHz after a few seconds of load, and every kernel's time with it (10-15%). Each problem is
 therefore timed after ``--warm-seconds`` of load (both layers in turn), in ``--rounds`` rounds of blazecore's six GEMMs
 then grouped_mm's six (medians over the rounds), so both sides are timed hot; the layer row records the GPU's clock,
-power and temperature before the load and after the timing.
+power and temperature before the load and after the timing. Each GEMM row also keeps the ratio of every round
+(``round_ratios``; the table's "rounds" column gives their range): blazecore's GEMMs run inside the layer and
+grouped_mm's back to back, so the clock can differ between the two sides of a round, and a miss that holds in every
+round is the one to trust.
 
 FLOPs per GEMM: gemm1, dx, dw13 4 L K d h (gated); gemm2, dh', dw2 2 L K d h; 18 L K d h in all.
 Writes bench/results/gemm_<gpu>.json (or --results-dir) and prints the tables.
@@ -329,6 +332,17 @@ def heat(torch, fns, seconds: float) -> None:
         torch.cuda.synchronize()
 
 
+def round_ratios(ours: list | None, theirs: list) -> list | None:
+    """blazecore's time over grouped_mm's, round by round (each round times blazecore's GEMM, then grouped_mm's, close
+    together): a miss that holds in every round is the kernel's; one that comes and goes is the clock's drift under the
+    power cap."""
+    if ours is None:
+        return None
+    if len(ours) != len(theirs):
+        raise ValueError(f"rounds differ: {len(ours)} of blazecore's against {len(theirs)} of grouped_mm's")
+    return [b / g for b, g in zip(ours, theirs, strict=True)]
+
+
 def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0, rounds=3) -> list:
     """The rows of one (shape, token count): after ``warm_s`` seconds of load, ``rounds`` rounds each timing
     blazecore's six GEMMs in the layer and then grouped_mm's six (medians over the rounds), and the two layers'
@@ -375,7 +389,8 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                      "grouped_mm_ms": t_ref.median_ms, "grouped_mm_spread_ms": t_ref.spread_ms,
                      "grouped_mm_rounds_ms": ref_r[name],
                      "grouped_mm_tflops": common.tflops(flops, t_ref.median_ms), "grouped_mm_layout": layouts[name],
-                     "ratio": None if b is None else b / t_ref.median_ms})
+                     "ratio": None if b is None else b / t_ref.median_ms,
+                     "round_ratios": round_ratios(per_r.get(name), ref_r[name])})
     layer, t_gmm = lay["blazecore"], lay["grouped_mm_moe"]
     flops = 18 * unit
     rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops,
@@ -393,12 +408,18 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     return rows
 
 
+def _round_range(row) -> str:
+    """The lowest and highest per-round ratio of a GEMM row ("-" without them)."""
+    rr = row.get("round_ratios")
+    return f"{min(rr):.2f}-{max(rr):.2f}" if rr else "-"
+
+
 def tables(rows) -> str:
     g = [r for r in rows if r["kind"] == "gemm"]
     cols = [("shape", "shape", None), ("tokens", lambda r: common.format_count(r["tokens"]), None),
             ("gemm", "gemm", None), ("blazecore ms", "blazecore_ms", ".3f"), ("TF/s", "blazecore_tflops", ".0f"),
             ("grouped_mm ms", "grouped_mm_ms", ".3f"), ("TF/s ", "grouped_mm_tflops", ".0f"),
-            ("ratio", "ratio", ".2f")]
+            ("ratio", "ratio", ".2f"), ("rounds", _round_range, None)]
     lay = [r for r in rows if r["kind"] == "layer"]
     cols2 = [("shape", "shape", None), ("tokens", lambda r: common.format_count(r["tokens"]), None),
              ("moe_ffn ms", "blazecore_moe_ffn_ms", ".2f"), ("six grouped_mm ms", "six_grouped_mm_ms", ".2f"),
