@@ -60,8 +60,7 @@ def test_round_ratios_pair_the_rounds_and_the_table_shows_their_range():
 
     assert round_ratios([2.0, 3.0, 3.3], [2.0, 2.5, 3.0]) == pytest.approx([1.0, 1.2, 1.1])
     assert round_ratios(None, [1.0]) is None
-    with pytest.raises(ValueError, match="rounds differ"):
-        round_ratios([1.0, 2.0], [1.0])
+    assert round_ratios([1.0, 2.0], [1.0]) is None
     row = {"shape": "olmoe", "tokens": 32768, "kind": "gemm", "gemm": "gemm1", "blazecore_ms": 3.0,
            "blazecore_tflops": 600.0, "grouped_mm_ms": 2.5, "grouped_mm_tflops": 700.0, "ratio": 1.2,
            "round_ratios": [1.25, 0.96, 1.2]}
