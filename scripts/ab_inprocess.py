@@ -17,6 +17,7 @@ Usage (repository root): PYTHONPATH=.:adapters:app python scripts/ab_inprocess.p
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -34,8 +35,22 @@ def parse_set(spec: str) -> tuple[str, str, dict]:
         var, eq, value = word.partition("=")
         if not var or not eq:
             raise ValueError(f"option set {spec!r}: environment field {word!r} is not VAR=VALUE")
+        if "." in var:  # module.ATTR=INT
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError(f"option set {spec!r}: attribute field {word!r} takes an integer") from None
         env[var] = value
     return label, "" if opts.strip() == "-" else opts.strip(), env
+
+
+def _attribute(field: str):
+    """(module, attribute name) of a ``module.ATTR`` field; AttributeError if the module has no such attribute."""
+    mod_name, _, attr = field.rpartition(".")
+    mod = importlib.import_module(mod_name)
+    if not hasattr(mod, attr):
+        raise AttributeError(f"option set field {field!r}: {mod_name} has no attribute {attr!r}")
+    return mod, attr
 
 
 class _Applied:
@@ -48,17 +63,12 @@ class _Applied:
         self.attrs = {k: v for k, v in env.items() if "." in k}
 
     def __enter__(self):
-        import importlib
-
         for var in ("BLAZECORE_NVRTC_OPTIONS", *self.env):
             self.saved[var] = os.environ.get(var)
         os.environ["BLAZECORE_NVRTC_OPTIONS"] = self.opts
         os.environ.update(self.env)
         for field, value in self.attrs.items():
-            mod_name, _, attr = field.rpartition(".")
-            mod = importlib.import_module(mod_name)
-            if not hasattr(mod, attr):
-                raise AttributeError(f"option set field {field!r}: {mod_name} has no attribute {attr!r}")
+            mod, attr = _attribute(field)
             self.saved_attrs.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, int(value))
 
@@ -89,6 +99,13 @@ def main(argv=None) -> int:
         ap.error(str(exc))
     if len({s[0] for s in sets}) != len(sets):
         ap.error("--set: labels must differ")
+    try:  # every attribute field names an attribute that exists, before any GPU work
+        for _, _, env in sets:
+            for field in env:
+                if "." in field:
+                    _attribute(field)
+    except (ImportError, AttributeError) as exc:
+        ap.error(str(exc))
 
     import torch
     from blazecore_torch import ops

@@ -60,3 +60,11 @@ def test_applied_refuses_an_unknown_attribute(monkeypatch):
     with pytest.raises(AttributeError, match="no attribute 'MISSING'"):
         with ab._Applied("", {"tests_ab_attr_mod2.MISSING": "1"}):
             pass
+
+
+def test_attribute_fields_are_checked_before_any_gpu_work(capsys, monkeypatch):
+    with pytest.raises(ValueError, match="takes an integer"):
+        ab.parse_set("s:-:blazecore._moe_gpu.O_SLICE_COLS=wide")
+    with pytest.raises(SystemExit):
+        ab.main(["out.json", "--set", "a:", "--set", "b:-:blazecore._moe_gpu.NO_SUCH_CONSTANT=1"])
+    assert "no attribute 'NO_SUCH_CONSTANT'" in capsys.readouterr().err

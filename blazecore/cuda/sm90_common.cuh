@@ -252,9 +252,10 @@ __device__ __forceinline__ void staged_put(int p, int fr, int fc, Put&& put) {
 // The put half of a pass whose staging a TMA store drains (EPI_ROWSCALE, the weight gradients): staged_put's layout
 // (TRANS = false: 16 rows of P = 64 columns, stage_off<8>) written by stmatrix, four x4 stores a pass instead of 16
 // 4-byte stores; or (TRANS = true) the pass transposed, as 64 rows n of 32 bytes (16 rows m, element (m, n) at
-// n * 32 + m * 2, no swizzle), four x4.trans stores instead of 32 2-byte stores. pair(h, j) is the thread's T pair of row slot h and column group j
-// (columns 8 j + fc, + 1), j = p * 8 + jj. An x4 takes the matrices (jj, h = 0), (jj, 1), (jj + 1, 0), (jj + 1, 1);
-// lane l addresses stored row l % 8 of matrix l / 8. Both layouts take an x4 in 4 wavefronts (no bank conflicts).
+// n * 32 + m * 2, no swizzle), four x4.trans stores instead of 32 2-byte stores. pair(h, j) is the thread's T pair
+// of row slot h and column group j (columns 8 j + fc, + 1), j = p * 8 + jj. An x4 takes the matrices (jj, h = 0),
+// (jj, 1), (jj + 1, 0), (jj + 1, 1); lane l addresses stored row l % 8 of matrix l / 8. Both layouts take an x4 in
+// 4 wavefronts (no bank conflicts).
 template <int P, bool TRANS, class Pair>
 __device__ __forceinline__ void staged_put_x4(unsigned buf, int p, int lane, Pair&& pair) {
   static_assert(P == 64, "a pass of 64 columns: 16-byte chunks 0..7 of a 128-byte row");
