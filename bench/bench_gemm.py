@@ -22,12 +22,15 @@ interleaved.
 
 Clock state: the H200 and H100 run these GEMMs at their power limit, so the SM clock falls from about 1.95 GHz on a
 cool GPU to 1.5-1.6 GHz after a few seconds of load, and every kernel's time with it (10-15%). Each problem is
-therefore timed after ``--warm-seconds`` of load (both layers in turn), in ``--rounds`` rounds of blazecore's six GEMMs
-then grouped_mm's six (medians over the rounds), so both sides are timed hot; the layer row records the GPU's clock,
-power and temperature before the load and after the timing. Each GEMM row also keeps the ratio of every round
-(``round_ratios``; the table's "rounds" column gives their range): blazecore's GEMMs run inside the layer and
-grouped_mm's back to back, so the clock can differ between the two sides of a round, and a miss that holds in every
-round is the one to trust.
+therefore timed after ``--warm-seconds`` of load (both layers in turn), in ``--rounds`` rounds (medians over the
+rounds), so both sides are timed hot; the layer row records the GPU's clock, power and temperature before the load and
+after the timing. ``--order`` sets what a round is. "interleaved" (the default): ``--repeats`` repetitions of one
+blazecore forward+backward followed by grouped_mm's six GEMMs in the layer's launch order (gemm1, gemm2, dh', dw2,
+dw13, dx; the intermediates of one shape shared), all under one profile, so each GEMM of either side runs within one
+step of its counterpart and both see the same clock. "blocks": blazecore's six GEMMs in the layer over the repeats,
+then each grouped_mm GEMM ``--repeats`` times back to back (the two sides seconds apart, and grouped_mm's GEMMs never
+beside the layer's memory-bound kernels). Each GEMM row keeps the ratio of every round (``round_ratios``; the
+table's "rounds" column gives their range): a miss that holds in every round is the kernel's.
 
 FLOPs per GEMM: gemm1, dx, dw13 4 L K d h (gated); gemm2, dh', dw2 2 L K d h; 18 L K d h in all.
 Writes bench/results/gemm_<gpu>.json (or --results-dir) and prints the tables.
@@ -133,34 +136,52 @@ _GEMM_KERNELS = ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_dhcur_sm90", "moe_gemm<
 _STAGING_KERNEL = "moe_gather_rows"  # a launcher's staging copy, launched right before its GEMM
 
 
+class _LauncherLog:
+    """The roles of blazecore's GEMM launcher calls, in call order, while in the ``with`` block (``.log``)."""
+
+    def __init__(self):
+        from blazecore import _moe_gpu
+
+        self._mod = _moe_gpu
+        self._origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
+        self.log: list = []
+
+    def __enter__(self):
+        def logged(orig):
+            def f(kern, which, *a, **kw):
+                self.log.append(which)
+                return orig(kern, which, *a, **kw)
+            return f
+
+        for n, o in self._origs.items():
+            setattr(self._mod, n, logged(o))
+        return self
+
+    def __exit__(self, *exc):
+        for n, o in self._origs.items():
+            setattr(self._mod, n, o)
+        return False
+
+
+def _role_key(which: str) -> str:
+    """The GEMM a launcher role stands for (dh' under one name, a staged role as its GEMM)."""
+    from blazecore import _moe_gpu
+
+    return "dhcur" if which in ("dhcur", "dh") else _moe_gpu._STAGED.get(which, which)
+
+
 def launcher_kernel_ms(torch, step, calls: int) -> dict:
     """{gemm: median over ``calls`` calls of ``step()`` of its kernels' summed ms}: the launchers' calls are logged in
     order and matched, on the one stream, with blazecore's GEMM kernels in start order; a staging copy goes with the
     GEMM after it (the launcher that stages launches it first)."""
-    from blazecore import _moe_gpu
-
-    log: list = []
-    origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
-
-    def logged(orig):
-        def f(kern, which, *a, **kw):
-            log.append(which)
-            return orig(kern, which, *a, **kw)
-        return f
 
     def run():
         for _ in range(calls):
             step()
 
-    for n, o in origs.items():
-        setattr(_moe_gpu, n, logged(o))
-    try:
+    with _LauncherLog() as ll:
         recs = cuda_kernels(torch, run)
-    finally:
-        for n, o in origs.items():
-            setattr(_moe_gpu, n, o)
-    return attribute_kernels(log, recs, calls, key=lambda w: "dhcur" if w in ("dhcur", "dh") else
-                             _moe_gpu._STAGED.get(w, w))
+    return attribute_kernels(ll.log, recs, calls, key=_role_key)
 
 
 def attribute_kernels(log: list, recs: list, calls: int, key=lambda w: w) -> dict:
@@ -202,6 +223,52 @@ def call_kernel_timing(torch, fn, *, warmup: int, repeats: int):
     return common.Timing.of([sum(ms[i * k:(i + 1) * k]) for i in range(repeats)])
 
 
+def split_interleaved(recs: list, ours_names: list, gmm: list, repeats: int) -> tuple:
+    """Split the device records of ``repeats`` repetitions of [blazecore's step, then grouped_mm's GEMMs in turn]
+    (one stream, start order) into (blazecore's records, {gemm: [ms of each repetition]}). ``ours_names``: the kernel
+    names one step launches, in order; ``gmm``: [(gemm, [kernel names one call launches])] in the order they run.
+    Every repetition must show exactly these names in this order: anything else is an error, not a guess."""
+    seg = [*ours_names, *(n for _, names in gmm for n in names)]
+    if len(recs) != repeats * len(seg):
+        raise RuntimeError(f"{len(recs)} kernels recorded for {repeats} repetitions of {len(seg)}")
+    ours, theirs = [], {name: [] for name, _ in gmm}
+    for r in range(repeats):
+        part = recs[r * len(seg):(r + 1) * len(seg)]
+        got = [name for _, _, name in part]
+        if got != seg:
+            i = next(i for i, (a, b) in enumerate(zip(got, seg, strict=True)) if a != b)
+            raise RuntimeError(f"repetition {r}: kernel {i} is {got[i][:80]!r}, expected {seg[i][:80]!r}")
+        ours += part[:len(ours_names)]
+        j = len(ours_names)
+        for name, names in gmm:
+            theirs[name].append(sum(ms for _, ms, _ in part[j:j + len(names)]))
+            j += len(names)
+    return ours, theirs
+
+
+def interleaved_round(torch, step, gmm_fns: list, repeats: int) -> tuple:
+    """One round of the interleaved protocol: ``repeats`` repetitions of blazecore's forward+backward ``step`` and then
+    grouped_mm's GEMMs ``gmm_fns`` [(gemm, fn)] one after the other, all under one profile, so that each of
+    blazecore's GEMMs and grouped_mm's run within one step of each other, at one clock. Returns ({gemm: blazecore's
+    median ms}, {gemm: grouped_mm's median ms}) over the repetitions."""
+    import statistics
+
+    ours_names = [name for _, _, name in cuda_kernels(torch, step)]  # also a warm call of each side
+    gmm = [(name, [n for _, _, n in cuda_kernels(torch, fn)]) for name, fn in gmm_fns]
+
+    def run():
+        for _ in range(repeats):
+            step()
+            for _, fn in gmm_fns:
+                fn()
+
+    with _LauncherLog() as ll:
+        recs = cuda_kernels(torch, run)
+    ours, theirs = split_interleaved(recs, ours_names, gmm, repeats)
+    return (attribute_kernels(ll.log, ours, repeats, key=_role_key),
+            {name: statistics.median(v) for name, v in theirs.items()})
+
+
 def _problem(torch, d, h, E, K, L, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, bf = "cuda", torch.bfloat16
@@ -241,10 +308,12 @@ def pregathered(torch, x, dy, ids, E):
     return offs, x[tok].contiguous(), dy[tok].contiguous()
 
 
-def grouped_mm_cases(torch, x, w13, w2, gates, ids, dy) -> dict:
+def grouped_mm_cases(torch, x, w13, w2, gates, ids, dy, shared: bool = False) -> dict:
     """{gemm: build()}: each GEMM by torch._grouped_mm on the pre-gathered problem; ``build()`` makes its operands
     (random where the layer's are intermediate) and returns (fn, layout), fn in the operand layout that runs fastest.
-    The operands are made per call and dropped with fn, so no more than one GEMM's are held at a time."""
+    The operands are made per call and dropped with fn, so no more than one GEMM's are held at a time; ``shared``:
+    the GEMMs that read an intermediate of one shape share one (gemm2 and dw2 an (L*K, h), dx and dw13 an (L*K, 2h)),
+    made once and kept while any fn is, for protocols that hold all six at once."""
     L, d = x.shape
     E, R, _ = w13.shape
     h = R // 2
@@ -253,8 +322,15 @@ def grouped_mm_cases(torch, x, w13, w2, gates, ids, dy) -> dict:
     offs, xg, dyg = pregathered(torch, x, dy, ids, E)
     gen = torch.Generator(device="cuda").manual_seed(1)
 
+    kept: dict = {}
+
     def rnd(*shape):
-        return (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        if shared and shape in kept:
+            return kept[shape]
+        t = (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        if shared:
+            kept[shape] = t
+        return t
 
     # weight gradients, (L*K, M) and (L*K, N): out[e] = a[e rows]^T b[e rows]; the token dimension must not be the
     # contiguous one: the experts' slot counts are not multiples of 16 bytes, which grouped_mm's TMA operands need
@@ -341,24 +417,45 @@ def round_ratios(ours: list | None, theirs: list) -> list | None:
     return [b / g for b, g in zip(ours, theirs, strict=True)]
 
 
-def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0, rounds=3) -> list:
-    """The rows of one (shape, token count): after ``warm_s`` seconds of load, ``rounds`` rounds each timing
-    blazecore's six GEMMs in the layer and then grouped_mm's six (medians over the rounds), and the two layers'
-    forward+backward interleaved."""
+LAYER_ORDER = ("gemm1", "gemm2", "dhcur", "dw2", "dw13", "dx")  # the order the layer launches its GEMMs in
+ORDERS = ("interleaved", "blocks")
+
+
+def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0, rounds=3,
+            order="interleaved") -> list:
+    """The rows of one (shape, token count): after ``warm_s`` seconds of load, ``rounds`` rounds of timing (medians
+    over the rounds), then the two layers' forward+backward interleaved. A round, ``order`` "interleaved" (cupti
+    only): ``repeats`` repetitions of blazecore's step followed by grouped_mm's six in the layer's order, under one
+    profile (:func:`interleaved_round`); "blocks": blazecore's six GEMMs in the layer over ``repeats`` steps, then
+    each of grouped_mm's six ``repeats`` times back to back."""
     import statistics
 
+    if order not in ORDERS or (order == "interleaved" and clock != "cupti"):
+        raise ValueError(f"order {order!r} with clock {clock!r}: interleaved needs cupti; orders: {ORDERS}")
     d, h, E, K = SHAPES[shape]
     x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
     unit = L * K * d * h
     ours = blazecore_step(torch, ops, x, w13, w2, gates, ids, dy)
     theirs = grouped_mm_step(torch, x, w13, w2, gates, ids, dy)
-    cases = grouped_mm_cases(torch, x, w13, w2, gates, ids, dy)
+    cases = grouped_mm_cases(torch, x, w13, w2, gates, ids, dy, shared=order == "interleaved")
     layouts: dict = {}
+    fns = []
+    if order == "interleaved":
+        for name in LAYER_ORDER:
+            fn, layouts[name] = cases[name]()
+            fns.append((name, fn))
     state0 = common.gpu_state()
     heat(torch, [ours, theirs], warm_s)
     per_r: dict = {}
     ref_r: dict = {}
     for _ in range(rounds):
+        if order == "interleaved":
+            b_ms, g_ms = interleaved_round(torch, ours, fns, repeats)
+            for name, ms in b_ms.items():
+                per_r.setdefault(name, []).append(ms)
+            for name, ms in g_ms.items():
+                ref_r.setdefault(name, []).append(ms)
+            continue
         for name, ms in blazecore_gemm_ms(torch, ours, repeats=repeats, clock=clock).items():
             per_r.setdefault(name, []).append(ms)
         for name, build in cases.items():
@@ -371,6 +468,9 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
             del fn
         gc.collect()
         torch.cuda.empty_cache()
+    del fns, cases  # (the shared operands too) before the layers are timed
+    gc.collect()
+    torch.cuda.empty_cache()
     lay = common.time_calls({"blazecore": ours, "grouped_mm_moe": theirs}, warmup=warmup, repeats=repeats,
                             clock="torch")
     state1 = common.gpu_state()
@@ -382,6 +482,7 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
         six += t_ref.median_ms
         b = statistics.median(per_r[name]) if name in per_r else None
         rows.append({"shape": shape, "tokens": L, "kind": "gemm", "gemm": name, "flops": flops, "clock": clock,
+                     "order": order,
                      "blazecore_ms": b, "blazecore_rounds_ms": per_r.get(name),
                      "blazecore_tflops": common.tflops(flops, b),
                      "grouped_mm_ms": t_ref.median_ms, "grouped_mm_spread_ms": t_ref.spread_ms,
@@ -400,7 +501,7 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                  "grouped_mm_moe_over_layer": t_gmm.median_ms / layer.median_ms,
                  "blazecore_gemms_sum_ms": sum(statistics.median(v) for v in per_r.values()),
                  "gpu_state_before_heat": state0, "gpu_state_after": state1})
-    del x, w13, w2, gates, ids, dy, ours, theirs, cases
+    del x, w13, w2, gates, ids, dy, ours, theirs
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -437,7 +538,10 @@ def parse_args(argv=None):
                     help="per-GEMM kernel time: the kernels' own durations (cupti) or CUDA events around the launches")
     ap.add_argument("--warm-seconds", type=float, default=10.0,
                     help="seconds of load (both layers in turn) before each problem is timed")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of blazecore's then grouped_mm's GEMMs")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of blazecore's and grouped_mm's GEMMs")
+    ap.add_argument("--order", choices=ORDERS, default="interleaved",
+                    help="a round: each blazecore step followed by grouped_mm's six, under one profile (interleaved, "
+                         "cupti only), or blazecore's steps then each grouped_mm GEMM back to back (blocks)")
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
@@ -451,6 +555,8 @@ def parse_args(argv=None):
         ap.error("--tokens must be >= 1, --warmup >= 0, --repeats >= 1")
     if args.warm_seconds < 0 or args.rounds < 1:
         ap.error("--warm-seconds must be >= 0 and --rounds >= 1")
+    if args.order == "interleaved" and args.clock != "cupti":
+        ap.error("--order interleaved times the kernels by cupti: use --clock cupti or --order blocks")
     args.shape_list = shapes
     return args
 
@@ -471,6 +577,7 @@ def main(argv=None) -> int:
     header["clock"] = args.clock
     header["warm_seconds"] = args.warm_seconds
     header["rounds"] = args.rounds
+    header["order"] = args.order
     common.print_header(header)
     rows = []
     failed = 0
@@ -478,7 +585,7 @@ def main(argv=None) -> int:
         for L in args.token_counts:
             try:
                 rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats, clock=args.clock,
-                                warm_s=args.warm_seconds, rounds=args.rounds)
+                                warm_s=args.warm_seconds, rounds=args.rounds, order=args.order)
                 print(f"{shape} {L}: done", flush=True)
             except Exception as exc:  # the row says what went wrong; the other problems still run
                 import traceback

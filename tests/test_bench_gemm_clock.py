@@ -68,3 +68,56 @@ def test_round_ratios_pair_the_rounds_and_the_table_shows_their_range():
     lines = text.splitlines()
     assert lines[0].split()[-1] == "rounds"
     assert lines[2].split()[-1] == "0.96-1.25" and lines[3].split()[-1] == "-"
+
+
+def _interleaved(repeats, ours, gmm):
+    """Device records of ``repeats`` repetitions of blazecore's step (``ours``: [(name, ms)]) and grouped_mm's calls
+    (``gmm``: [(gemm, [(name, ms)])]); repetition r scales every duration by r + 1."""
+    recs = []
+    for r in range(repeats):
+        recs += [(n, ms * (r + 1)) for n, ms in ours]
+        for _, calls in gmm:
+            recs += [(n, ms * (r + 1)) for n, ms in calls]
+    return _recs(recs)
+
+
+def test_split_interleaved_separates_the_sides_and_sums_each_call():
+    from bench.bench_gemm import split_interleaved
+
+    ours = [("void blz::moe_gemm_sm90<a>", 1.0), ("blz::moe_combine", 0.5), ("void blz::moe_wgrad_sm90<c>", 2.0)]
+    # grouped_mm's kernels share names across GEMMs (one CUTLASS kernel) and a call may launch more than one
+    gmm = [("gemm1", [("cutlass::device_kernel<G>", 0.75)]),
+           ("dw2", [("Memset (Device)", 0.125), ("cutlass::device_kernel<G>", 0.5)])]
+    recs = _interleaved(3, ours, gmm)
+    mine, theirs = split_interleaved(recs, [n for n, _ in ours], [(g, [n for n, _ in c]) for g, c in gmm], 3)
+    assert [r[1:] for r in mine] == [(ms * k, n) for k in (1, 2, 3) for n, ms in ours]
+    assert theirs == {"gemm1": [0.75, 1.5, 2.25], "dw2": [0.625, 1.25, 1.875]}
+    # blazecore's records then go through the launcher attribution as in the blocks order
+    assert attribute_kernels(["gemm1", "dw2"] * 3, mine, 3) == {"gemm1": 2.0, "dw2": 4.0}
+
+
+def test_split_interleaved_refuses_records_that_do_not_match():
+    from bench.bench_gemm import split_interleaved
+
+    ours = [("void blz::moe_gemm_sm90<a>", 1.0)]
+    gmm = [("gemm1", [("cutlass::device_kernel<G>", 0.75)])]
+    names = ([n for n, _ in ours], [(g, [n for n, _ in c]) for g, c in gmm])
+    recs = _interleaved(2, ours, gmm)
+    with pytest.raises(RuntimeError, match="kernels recorded for 2 repetitions"):
+        split_interleaved(recs[:-1], *names, 2)
+    swapped = [recs[1], recs[0], *recs[2:]]  # one repetition's kernels out of order
+    with pytest.raises(RuntimeError, match="repetition 0: kernel 0"):
+        split_interleaved(swapped, *names, 2)
+    extra = recs[:2] + _recs([("Memcpy HtoD", 0.1)]) + recs[2:3]  # a kernel neither side launches alone
+    with pytest.raises(RuntimeError, match="repetition 1: kernel 0"):
+        split_interleaved(extra, *names, 2)
+
+
+def test_the_interleaved_order_needs_cupti():
+    from bench.bench_gemm import parse_args
+
+    args = parse_args(["--shapes", "fine", "--tokens", "1k"])
+    assert args.order == "interleaved" and args.clock == "cupti"
+    assert parse_args(["--order", "blocks", "--clock", "events"]).order == "blocks"
+    with pytest.raises(SystemExit):
+        parse_args(["--clock", "events"])
