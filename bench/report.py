@@ -63,6 +63,14 @@ def moe_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+_GEMM_ORDERS = {"interleaved": "each round: blazecore's step, then grouped_mm's six, repeated",
+                "blocks": "each round: blazecore's steps, then each grouped_mm GEMM back to back"}
+
+
 def gemm_table(doc: dict) -> str:
     """bench_gemm.py: each GEMM against torch._grouped_mm pre-gathered, then the layer."""
     rows = doc["rows"]
@@ -71,7 +79,8 @@ def gemm_table(doc: dict) -> str:
     if h.get("clock"):
         how = (f"; kernel time by {'CUPTI' if h['clock'] == 'cupti' else 'CUDA events'}"
                + (f", timed after {h['warm_seconds']:g} s of load, medians of {h['rounds']} rounds"
-                  if h.get("rounds") else ""))
+                  if h.get("rounds") else "")
+               + (f" ({_GEMM_ORDERS.get(h['order'], h['order'])})" if h.get("order") else ""))
     out = [f"The six expert GEMMs against torch._grouped_mm on the pre-gathered problem, bf16 "
            f"({_header_line(h)}{how}); TFLOP/s, ratio = blazecore / grouped_mm:", "",
            "| shape | tokens | " + " | ".join(("gemm1", "gemm2", "dh'", "dx", "dw13", "dw2")) + " |",
@@ -87,9 +96,21 @@ def gemm_table(doc: dict) -> str:
                 continue
             cells.append(f"{r['blazecore_tflops']:.0f} vs {r['grouped_mm_tflops']:.0f} ({r['ratio']:.2f})")
         out.append(f"| {key[0]} | {key[1] // 1024}k | " + " | ".join(cells) + " |")
+    layer = [r for r in rows if r["kind"] == "layer"]
+    if any(r.get("blazecore_beside_six_ms") is not None for r in layer):
+        # interleaved: layer / six from the layer timed beside the six (the rounds' clock), the MoE ratio from the
+        # layer timed beside the grouped_mm MoE
+        out += ["", "| shape | tokens | moe_ffn fwd+bwd ms beside the six | six grouped_mm ms | layer / six | "
+                    "moe_ffn ms beside the MoE | grouped_mm MoE ms | grouped_mm MoE / layer |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in layer:
+            out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {_ms(r.get('blazecore_beside_six_ms'))} | "
+                       f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | {r['blazecore_moe_ffn_ms']:.2f} | "
+                       f"{r['grouped_mm_moe_ms']:.2f} | {r['grouped_mm_moe_over_layer']:.2f} |")
+        return "\n".join(out)
     out += ["", "| shape | tokens | moe_ffn fwd+bwd ms | six grouped_mm ms | layer / six | grouped_mm MoE ms | "
                 "grouped_mm MoE / layer |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in (r for r in rows if r["kind"] == "layer"):
+    for r in layer:
         out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['blazecore_moe_ffn_ms']:.2f} | "
                    f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | {r['grouped_mm_moe_ms']:.2f} | "
                    f"{r['grouped_mm_moe_over_layer']:.2f} |")

@@ -121,3 +121,27 @@ def test_the_interleaved_order_needs_cupti():
     assert parse_args(["--order", "blocks", "--clock", "events"]).order == "blocks"
     with pytest.raises(SystemExit):
         parse_args(["--clock", "events"])
+
+
+def _gemm_doc(order, beside):
+    gemm = {"shape": "olmoe", "tokens": 32768, "kind": "gemm", "gemm": "gemm1", "blazecore_ms": 3.0,
+            "blazecore_tflops": 600.0, "grouped_mm_ms": 2.5, "grouped_mm_tflops": 720.0, "ratio": 1.2}
+    layer = {"shape": "olmoe", "tokens": 32768, "kind": "layer", "blazecore_moe_ffn_ms": 15.0,
+             "blazecore_beside_six_ms": beside, "six_grouped_mm_ms": 14.0,
+             "layer_over_six": (beside or 15.0) / 14.0, "grouped_mm_moe_ms": 30.0, "grouped_mm_moe_over_layer": 2.0}
+    header = {"gpu": "GPU", "date": "2026-01-01T00:00:00", "git_commit": "0" * 40, "torch": "x", "clock": "cupti",
+              "warm_seconds": 10.0, "rounds": 5, "order": order}
+    return {"header": header, "rows": [gemm, layer]}
+
+
+def test_report_names_the_order_and_which_layer_time_each_ratio_uses():
+    from bench.report import gemm_table
+
+    text = gemm_table(_gemm_doc("interleaved", 16.1))
+    assert "blazecore's step, then grouped_mm's six" in text
+    head = next(line for line in text.splitlines() if "layer / six" in line)
+    assert "beside the six" in head and "beside the MoE" in head
+    assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | 15.00 | 30.00 | 2.00 |" in text
+    old = gemm_table(_gemm_doc("blocks", None))
+    assert "each grouped_mm GEMM back to back" in old and "beside" not in old
+    assert "| olmoe | 32k | 15.00 | 14.00 | 1.07 | 30.00 | 2.00 |" in old
