@@ -75,6 +75,9 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
       int row;
       if constexpr (GATHER) {
         row = __shfl_sync(0xffffffffu, tok, rl);
+#if BLZ_PROBE_A_HOT
+        if (row >= 0) row &= 255;
+#endif
       } else {
         row = (t0 + r < tend) ? t0 + r : -1;
       }
@@ -229,17 +232,18 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
               sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
               sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
             }
+            const int tb = BLZ_PROBE_B_HOT ? (t0 & 4095) : t0;  // B's first slot
             if constexpr (B_TMA && MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
               constexpr int HA = BN / 128;
 #pragma unroll
               for (int a = 0; a < HA; ++a) {
                 const int at = static_cast<int>(rank) * HA + a;
-                sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, t0, 0x3);
+                sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, tb, 0x3);
               }
             } else if constexpr (B_TMA) {
 #pragma unroll
               for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
-                sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, t0);
+                sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, tb);
             }
           }
         }

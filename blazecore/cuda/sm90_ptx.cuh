@@ -21,6 +21,14 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_HALF_B
 #define BLZ_PROBE_HALF_B 0
 #endif
+// Timing probes only (wrong results), the weight gradients: every gathered A row one of the first 256 rows
+// (BLZ_PROBE_A_HOT), every B box from the first 4096 slots (BLZ_PROBE_B_HOT), so that the copies hit L2.
+#ifndef BLZ_PROBE_A_HOT
+#define BLZ_PROBE_A_HOT 0
+#endif
+#ifndef BLZ_PROBE_B_HOT
+#define BLZ_PROBE_B_HOT 0
+#endif
 // moe_dhcur_sm90 only: the epilogue warps' rows a step (1, 2 or 4).
 #ifndef BLZ_DH_ROWS
 #define BLZ_DH_ROWS 2
