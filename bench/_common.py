@@ -185,6 +185,24 @@ def print_header(header: dict) -> None:
     )
 
 
+def _oom_types() -> tuple:
+    import torch
+
+    types = [torch.cuda.OutOfMemoryError]
+    try:
+        import cupy
+
+        types.append(cupy.cuda.memory.OutOfMemoryError)
+    except Exception:
+        pass
+    return tuple(types)
+
+
+def is_oom(exc) -> bool:
+    """A GPU out-of-memory error: torch's or CuPy's, or one whose message says so."""
+    return isinstance(exc, _oom_types()) or "out of memory" in str(exc).lower()
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     if ms is None or not ms > 0:
         return None

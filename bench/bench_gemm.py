@@ -29,8 +29,10 @@ blazecore forward+backward followed by grouped_mm's six GEMMs in the layer's lau
 dw13, dx; the intermediates of one shape shared), all under one profile, so each GEMM of either side runs within one
 step of its counterpart and both see the same clock. "blocks": blazecore's six GEMMs in the layer over the repeats,
 then each grouped_mm GEMM ``--repeats`` times back to back (the two sides seconds apart, and grouped_mm's GEMMs never
-beside the layer's memory-bound kernels). Each GEMM row keeps the ratio of every round (``round_ratios``; the
-table's "rounds" column gives their range): a miss that holds in every round is the kernel's.
+beside the layer's memory-bound kernels). A problem whose interleaved rounds run out of GPU memory (the six's
+operands are held beside the layer's) is timed in the blocks order, and its rows say so (``order``). Each GEMM row
+keeps the ratio of every round (``round_ratios``; the table's "rounds" column gives their range): a miss that holds in
+every round is the kernel's.
 
 FLOPs per GEMM: gemm1, dx, dw13 4 L K d h (gated); gemm2, dh', dw2 2 L K d h; 18 L K d h in all.
 Writes bench/results/gemm_<gpu>.json (or --results-dir) and prints the tables.
@@ -504,7 +506,7 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     # six's kernel time; blocks: beside the grouped_mm MoE)
     near = layer if beside is None else beside["blazecore"]
     flops = 18 * unit
-    rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops,
+    rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops, "order": order,
                  "blazecore_moe_ffn_ms": layer.median_ms, "blazecore_moe_ffn_spread_ms": layer.spread_ms,
                  "blazecore_moe_ffn_tflops": common.tflops(flops, layer.median_ms),
                  "blazecore_beside_six_ms": None if beside is None else beside["blazecore"].median_ms,
@@ -520,6 +522,22 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def measure_problem(torch, ops, shape, L, *, order, measure_fn=None, **kw) -> list:
+    """:func:`measure` in ``order``; where the interleaved order runs out of GPU memory (it holds grouped_mm's six
+    GEMMs' operands beside the layer's, about 27 GB more at mixtral 128k), the same problem in the blocks order,
+    which holds one GEMM's at a time: its rows say so (``order``)."""
+    measure_fn = measure_fn or measure
+    try:
+        return measure_fn(torch, ops, shape, L, order=order, **kw)
+    except Exception as exc:
+        if order != "interleaved" or not common.is_oom(exc):
+            raise
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"{shape} {L}: out of GPU memory in the interleaved order; timed in the blocks order", flush=True)
+    return measure_fn(torch, ops, shape, L, order="blocks", **kw)
 
 
 def _round_range(row) -> str:
@@ -601,8 +619,9 @@ def main(argv=None) -> int:
     for shape in args.shape_list:
         for L in args.token_counts:
             try:
-                rows += measure(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats, clock=args.clock,
-                                warm_s=args.warm_seconds, rounds=args.rounds, order=args.order)
+                rows += measure_problem(torch, ops, shape, L, warmup=args.warmup, repeats=args.repeats,
+                                        clock=args.clock, warm_s=args.warm_seconds, rounds=args.rounds,
+                                        order=args.order)
                 print(f"{shape} {L}: done", flush=True)
             except Exception as exc:  # the row says what went wrong; the other problems still run
                 import traceback

@@ -267,26 +267,9 @@ def make_problem(weights, L, E, K, seed):
 # ------------------------------------------------------------------------------------------------
 
 
-def _oom_types():
-    import torch
-
-    types = [torch.cuda.OutOfMemoryError]
-    try:
-        import cupy
-
-        types.append(cupy.cuda.memory.OutOfMemoryError)
-    except Exception:
-        pass
-    return tuple(types)
-
-
-def _is_oom(exc) -> bool:
-    return isinstance(exc, _oom_types()) or "out of memory" in str(exc).lower()
-
-
 def _classify(exc, baselines):
     """(status, message) for an exception raised while running an implementation."""
-    if _is_oom(exc):
+    if common.is_oom(exc):
         return "oom", str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
     if isinstance(exc, (Unavailable, baselines.BaselineUnavailable)):
         return "unavailable", str(exc)
@@ -595,7 +578,7 @@ def find_largest(shape_name, shape, impls, grid_rows, weights, args, baselines):
         try:
             p = make_problem(weights, L, E, K, args.seed)
         except Exception as exc:
-            if not _is_oom(exc):
+            if not common.is_oom(exc):
                 raise
             for impl in alive:
                 stopped.append({**_base_row(shape_name, shape, L, impl, args), "status": "oom",

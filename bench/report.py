@@ -107,6 +107,9 @@ def gemm_table(doc: dict) -> str:
             out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {_ms(r.get('blazecore_beside_six_ms'))} | "
                        f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | {r['blazecore_moe_ffn_ms']:.2f} | "
                        f"{r['grouped_mm_moe_ms']:.2f} | {r['grouped_mm_moe_over_layer']:.2f} |")
+        other = [f"{r['shape']} {r['tokens'] // 1024}k" for r in layer if r.get("order", h["order"]) != h["order"]]
+        if other:
+            out += ["", f"Timed in the blocks order (out of GPU memory in the interleaved one): {', '.join(other)}."]
         return "\n".join(out)
     out += ["", "| shape | tokens | moe_ffn fwd+bwd ms | six grouped_mm ms | layer / six | grouped_mm MoE ms | "
                 "grouped_mm MoE / layer |", "|---|---:|---:|---:|---:|---:|---:|"]

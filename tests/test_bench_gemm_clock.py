@@ -142,6 +142,60 @@ def test_report_names_the_order_and_which_layer_time_each_ratio_uses():
     head = next(line for line in text.splitlines() if "layer / six" in line)
     assert "beside the six" in head and "beside the MoE" in head
     assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | 15.00 | 30.00 | 2.00 |" in text
+    doc = _gemm_doc("interleaved", 16.1)
+    doc["rows"].append({**doc["rows"][1], "shape": "mixtral", "tokens": 131072, "order": "blocks",
+                        "blazecore_beside_six_ms": None})
+    text = gemm_table(doc)
+    assert "| mixtral | 128k | - | 14.00 |" in text
+    last = text.splitlines()[-1]
+    assert last == "Timed in the blocks order (out of GPU memory in the interleaved one): mixtral 128k."
     old = gemm_table(_gemm_doc("blocks", None))
     assert "each grouped_mm GEMM back to back" in old and "beside" not in old
     assert "| olmoe | 32k | 15.00 | 14.00 | 1.07 | 30.00 | 2.00 |" in old
+
+
+class _OOM(RuntimeError):
+    pass
+
+
+def _fake_torch():
+    import types
+
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(OutOfMemoryError=_OOM, empty_cache=lambda: None))
+
+
+def test_measure_problem_falls_back_to_the_blocks_order_on_oom(monkeypatch):
+    from bench import _common
+    from bench.bench_gemm import measure_problem
+
+    monkeypatch.setattr(_common, "_oom_types", lambda: (_OOM,))
+    calls = []
+
+    def fake(torch, ops, shape, L, *, order, **kw):
+        calls.append(order)
+        if order == "interleaved":
+            raise _OOM("CUDA out of memory. Tried to allocate 15.00 GiB")
+        return [{"shape": shape, "tokens": L, "order": order, **kw}]
+
+    rows = measure_problem(_fake_torch(), None, "mixtral", 131072, order="interleaved", measure_fn=fake, rounds=5)
+    assert calls == ["interleaved", "blocks"] and rows == [{"shape": "mixtral", "tokens": 131072, "order": "blocks",
+                                                              "rounds": 5}]
+    # other errors, and an OOM in the blocks order, are the problem's error
+    def always_oom(torch, ops, shape, L, *, order, **kw):
+        calls.append(order)
+        raise _OOM("CUDA out of memory")
+
+    calls.clear()
+    with pytest.raises(_OOM):
+        measure_problem(_fake_torch(), None, "olmoe", 1024, order="blocks", measure_fn=always_oom)
+    assert calls == ["blocks"]
+    calls.clear()
+    with pytest.raises(_OOM):  # the fallback's own OOM is the problem's error
+        measure_problem(_fake_torch(), None, "olmoe", 1024, order="interleaved", measure_fn=always_oom)
+    assert calls == ["interleaved", "blocks"]
+
+    def broken(torch, ops, shape, L, *, order, **kw):
+        raise ValueError("not an OOM")
+
+    with pytest.raises(ValueError):
+        measure_problem(_fake_torch(), None, "olmoe", 1024, order="interleaved", measure_fn=broken)
