@@ -64,30 +64,54 @@ def _grouped_mm_moe():
     return grouped_mm_moe
 
 
-class GemmTimer:
-    """CUDA events around every GEMM launch of blazecore's launchers (``_moe_gpu.GEMM_LAUNCHERS``), on the stream
-    the launch runs on; ``per_call()`` gives each GEMM's summed milliseconds per recorded call."""
+class _PatchedLaunchers:
+    """Inside the ``with`` block, every GEMM launcher of blazecore (``_moe_gpu.GEMM_LAUNCHERS``) runs through
+    ``self._wrap(orig)``; the originals are back after it."""
 
     def __init__(self):
         from blazecore import _moe_gpu
 
         self._mod = _moe_gpu
-        self._origs = {name: getattr(_moe_gpu, name) for name in _moe_gpu.GEMM_LAUNCHERS}
+        self._origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
+
+    def _wrap(self, orig):
+        raise NotImplementedError
+
+    def __enter__(self):
+        for n, o in self._origs.items():
+            setattr(self._mod, n, self._wrap(o))
+        return self
+
+    def __exit__(self, *exc):
+        for n, o in self._origs.items():
+            setattr(self._mod, n, o)
+        return False
+
+
+def _role_key(which: str) -> str:
+    """The GEMM a launcher role stands for (dh' under one name, a staged role as the GEMM it computes, its staging
+    included)."""
+    from blazecore import _moe_gpu
+
+    return "dhcur" if which in ("dhcur", "dh") else _moe_gpu._STAGED.get(which, which)
+
+
+class GemmTimer(_PatchedLaunchers):
+    """CUDA events around every GEMM launch of blazecore's launchers, on the stream the launch runs on;
+    ``per_call()`` gives each GEMM's summed milliseconds per recorded call."""
+
+    def __init__(self):
+        super().__init__()
         self.events: list = []  # (call index, which, start, end)
         self.call = -1
         self.on = False
 
-    def __enter__(self):
-        for name, orig in self._origs.items():
-            setattr(self._mod, name, self._timed(orig))
-        return self
-
-    def _timed(self, orig):
-        import cupy
-
+    def _wrap(self, orig):
         def timed(kern, which, grid, stream, *args, **kw):
             if not self.on:
                 return orig(kern, which, grid, stream, *args, **kw)
+            import cupy
+
             if stream is None:
                 s = cupy.cuda.get_current_stream()
             elif isinstance(stream, int):  # a raw cudaStream_t handle
@@ -103,10 +127,6 @@ class GemmTimer:
 
         return timed
 
-    def __exit__(self, *exc):
-        for name, orig in self._origs.items():
-            setattr(self._mod, name, orig)
-
     def per_call(self) -> dict:
         import statistics
 
@@ -115,10 +135,8 @@ class GemmTimer:
         cupy.cuda.runtime.deviceSynchronize()
         sums: dict = {}
         for call, which, e0, e1 in self.events:
-            # the staged-row roles (gemm1s, dw13s, dw2s) count as the GEMM they compute, staging included
-            key = "dhcur" if which in ("dhcur", "dh") else self._mod._STAGED.get(which, which)
-            sums.setdefault(key, {}).setdefault(call, 0.0)
-            sums[key][call] += cupy.cuda.get_elapsed_time(e0, e1)
+            sums.setdefault(_role_key(which), {}).setdefault(call, 0.0)
+            sums[_role_key(which)][call] += cupy.cuda.get_elapsed_time(e0, e1)
         return {k: statistics.median(v.values()) for k, v in sums.items()}
 
 
@@ -138,38 +156,19 @@ _GEMM_KERNELS = ("moe_gemm_sm90", "moe_wgrad_sm90", "moe_dhcur_sm90", "moe_gemm<
 _STAGING_KERNEL = "moe_gather_rows"  # a launcher's staging copy, launched right before its GEMM
 
 
-class _LauncherLog:
+class _LauncherLog(_PatchedLaunchers):
     """The roles of blazecore's GEMM launcher calls, in call order, while in the ``with`` block (``.log``)."""
 
     def __init__(self):
-        from blazecore import _moe_gpu
-
-        self._mod = _moe_gpu
-        self._origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
+        super().__init__()
         self.log: list = []
 
-    def __enter__(self):
-        def logged(orig):
-            def f(kern, which, *a, **kw):
-                self.log.append(which)
-                return orig(kern, which, *a, **kw)
-            return f
+    def _wrap(self, orig):
+        def logged(kern, which, *a, **kw):
+            self.log.append(which)
+            return orig(kern, which, *a, **kw)
 
-        for n, o in self._origs.items():
-            setattr(self._mod, n, logged(o))
-        return self
-
-    def __exit__(self, *exc):
-        for n, o in self._origs.items():
-            setattr(self._mod, n, o)
-        return False
-
-
-def _role_key(which: str) -> str:
-    """The GEMM a launcher role stands for (dh' under one name, a staged role as its GEMM)."""
-    from blazecore import _moe_gpu
-
-    return "dhcur" if which in ("dhcur", "dh") else _moe_gpu._STAGED.get(which, which)
+        return logged
 
 
 def launcher_kernel_ms(torch, step, calls: int) -> dict:

@@ -199,3 +199,24 @@ def test_measure_problem_falls_back_to_the_blocks_order_on_oom(monkeypatch):
 
     with pytest.raises(ValueError):
         measure_problem(_fake_torch(), None, "olmoe", 1024, order="interleaved", measure_fn=broken)
+
+
+def test_the_launcher_patches_route_every_launch_and_restore_the_launchers(monkeypatch):
+    from bench.bench_gemm import GemmTimer, _LauncherLog, _role_key
+    from blazecore import _moe_gpu
+
+    ran = []
+    for n in _moe_gpu.GEMM_LAUNCHERS:  # the launchers as the patches find them
+        monkeypatch.setattr(_moe_gpu, n, lambda kern, which, *a, _n=n, **kw: ran.append((_n, which)) or which)
+    origs = {n: getattr(_moe_gpu, n) for n in _moe_gpu.GEMM_LAUNCHERS}
+    with _LauncherLog() as ll:
+        assert all(getattr(_moe_gpu, n) is not o for n, o in origs.items())
+        assert _moe_gpu._launch_m(None, "dw13s", 1, None) == "dw13s"
+        _moe_gpu._launch_k(None, "dh", 1, None)
+    assert ll.log == ["dw13s", "dh"] and ran == [("_launch_m", "dw13s"), ("_launch_k", "dh")]
+    assert [_role_key(w) for w in ll.log] == ["dw13", "dhcur"]
+    assert {n: getattr(_moe_gpu, n) for n in origs} == origs
+    with GemmTimer() as timer:  # off: the launch goes straight to the original, nothing recorded
+        _moe_gpu._launch_k(None, "dw2", 1, None)
+    assert timer.events == [] and ran[-1] == ("_launch_k", "dw2")
+    assert {n: getattr(_moe_gpu, n) for n in origs} == origs
