@@ -81,6 +81,13 @@ def arch_for_capability(major: int, minor: int) -> str:
     return f"sm_{major}{minor}"
 
 
+def current_device() -> int:
+    """The ordinal of CuPy's current device."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
 def device_arch(device_id: int | None = None) -> str:
     """The arch kernels are compiled for on the device (the current one when None); a dry run's own arch."""
     run = _array.dry()

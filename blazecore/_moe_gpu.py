@@ -296,12 +296,13 @@ def _persistent_grid(grid):
     kernel with a stride of the grid (any grid is correct; the full one gives each CTA one tile)."""
     if _array.dry() is not None:
         return int(grid)
-    import cupy as cp
+    dev = _compile.current_device()
+    n = _SM_COUNT.get(dev)
+    if n is None:
+        import cupy as cp
 
-    dev = cp.cuda.Device().id
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return max(1, min(int(grid), _SM_COUNT[dev]))
+        n = _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    return max(1, min(int(grid), n))
 
 
 def _persistent_cluster_grid(fn, kv, grid, cluster):
@@ -372,14 +373,25 @@ class _Kernels:
             wgmma = wgmma_asked(path)
         self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
             _compile.device_arch() == "sm_90a" and wgmma
+        self._memo: dict = {}  # variant / gemm / fn lookups by their arguments
 
     def fn(self, name):
         """One of the small kernels (moe_helpers.cu) for this dtype."""
-        return _compile.get_function(_FILE_HELPERS, name, module_names=_helper_names(self.ct))
+        f = self._memo.get(name)
+        if f is None:
+            f = self._memo[name] = _compile.get_function(_FILE_HELPERS, name, module_names=_helper_names(self.ct))
+        return f
 
     def variant(self, which, carry_in=False, b_load=None, cluster=1) -> KernelVariant:
         """The kernel of one GEMM role on this device's path; ``b_load`` overrides the kernels' dense-operand load
         for this launch and ``cluster`` picks the weight gradients' 2-CTA form (sm_90a)."""
+        key = ("variant", which, carry_in, b_load, cluster)
+        kv = self._memo.get(key)
+        if kv is None:
+            kv = self._memo[key] = self._variant(which, carry_in, b_load, cluster)
+        return kv
+
+    def _variant(self, which, carry_in, b_load, cluster) -> KernelVariant:
         v = self.variants[which]
         if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap":
             return KernelVariant(_FILE_DH90, f"blz::moe_dhcur_sm90<{self.ct}, {self.act}, {STAGES_DH90}>", NTHREADS90,
@@ -404,13 +416,40 @@ class _Kernels:
 
     def gemm(self, which, carry_in=False, b_load=None, cluster=1):
         """(compiled function, :class:`KernelVariant`) of one GEMM role (see :meth:`variant`)."""
-        kv = self.variant(which, carry_in, b_load, cluster)
-        return _compile.get_function(kv.file, kv.name, module_names=self.module_names(kv),
-                                     max_dynamic_smem=kv.smem), kv
+        key = ("gemm", which, carry_in, b_load, cluster)
+        got = self._memo.get(key)
+        if got is None:
+            kv = self.variant(which, carry_in, b_load, cluster)
+            got = self._memo[key] = (_compile.get_function(kv.file, kv.name, module_names=self.module_names(kv),
+                                                           max_dynamic_smem=kv.smem), kv)
+        return got
 
     def tiles_n(self, which, n, gated=False):
         bn = self.variant(which).bn
         return -(-n // (bn // 2)) if gated else -(-n // bn)
+
+
+_KERNELS: dict = {}  # _kernels' instances
+_KERNELS_MAX = 64
+
+
+def _kernels(dtype, activation, b_load=None, weight_layout="out_in", path=None) -> _Kernels:
+    """The :class:`_Kernels` of a layer call: one instance (and its looked-up kernels) shared by every call that
+    agrees on all that its lookups read: the arguments, the kernel settings and BLAZECORE_SM90 /
+    BLAZECORE_NVRTC_OPTIONS in the environment, the current device (or the dry run's arch) and the module's tile
+    constants."""
+    run = _array.dry()
+    key = (np.dtype(dtype), activation, b_load, weight_layout, path, tuple(settings().values()),
+           os.environ.get("BLAZECORE_SM90"), os.environ.get("BLAZECORE_NVRTC_OPTIONS"),
+           ("dry", run.arch) if run is not None else _compile.current_device(),
+           BM, BN, STAGES, NTHREADS, BN90, NTHREADS90, STAGES_DH90, _smem_dh90, _stages90, _smem90, _smem_bytes)
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _Kernels(dtype, activation, b_load, weight_layout, path)
+        if len(_KERNELS) >= _KERNELS_MAX:
+            _KERNELS.clear()
+        _KERNELS[key] = k
+    return k
 
 
 def _ptr(a):
@@ -666,11 +705,19 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
     z = _array.empty_gpu((LK, H2), dt) if checkpoint == "ab" else None
     if L == 0:
         return (z.user if z is not None else None), {}
-    kern = _Kernels(dt, activation, weight_layout=weight_layout, path=gemm_path)
+    kern = _kernels(dt, activation, weight_layout=weight_layout, path=gemm_path)
     for t0, t1, disp in chunks:
-        zc = z.view[t0 * K:t1 * K] if z is not None else None
-        _forward_chunk(kern, x[t0:t1], w13, w2, gates[t0:t1], disp, b13, b2, y[t0:t1], zc, stream, act_in_operand)
+        rows = _rows(t0, t1, L)
+        zc = rows(z.view, K) if z is not None else None
+        _forward_chunk(kern, rows(x), w13, w2, rows(gates), disp, b13, b2, rows(y), zc, stream, act_in_operand)
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
+
+
+def _rows(t0: int, t1: int, L: int):
+    """``rows(a, per=1)``: the rows [t0 * per, t1 * per) of ``a``, ``a`` itself when the chunk is all L tokens."""
+    if t0 == 0 and t1 == L:
+        return lambda a, per=1: a
+    return lambda a, per=1: a[t0 * per:t1 * per]
 
 
 def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_operand=False):
@@ -808,17 +855,18 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
             if b is not None:
                 b.fill(0)
         return
-    kern = _Kernels(dt, saved.activation, weight_layout=saved.weight_layout, path=saved.gemm_path)
+    kern = _kernels(dt, saved.activation, weight_layout=saved.weight_layout, path=saved.gemm_path)
     z = saved.extra.get("z_view") if saved.extra else None
     if z is None and saved.ab is not None:
         z = _array.asarray(saved.ab)
     zsl = h_slices(h, d, lean=True) if z is None and h > d else None  # the z-sliced backward's slices
     carry = _Carry(kern, E, d, h, H2, db13, db2, zsl) if len(chunks) > 1 else None
     for i, (t0, t1, disp) in enumerate(chunks):
-        zc = z[t0 * K:t1 * K] if z is not None else None
+        rows = _rows(t0, t1, L)
+        zc = rows(z, K) if z is not None else None
         flags = (1 if i > 0 else 0) | (2 if i + 1 < len(chunks) else 0)
-        _backward_chunk(kern, saved, dy[t0:t1], x[t0:t1], gates[t0:t1], disp, zc, reuse_saved, block_tokens,
-                        dx[t0:t1], dw13, dw2, dgates[t0:t1], db13, db2, carry, flags, stream)
+        _backward_chunk(kern, saved, rows(dy), rows(x), rows(gates), disp, zc, reuse_saved, block_tokens,
+                        rows(dx), dw13, dw2, rows(dgates), db13, db2, carry, flags, stream)
 
 
 def _block_starts(kern, disp, E, L, block_tokens, stream):

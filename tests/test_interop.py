@@ -143,6 +143,34 @@ def test_intake_hook_is_offered_first_and_may_decline():
             pass
 
 
+def test_an_allocators_own_view_is_taken_as_is_and_may_decline():
+    """An allocator carrying ``blazecore_view`` (an adapter's) has its view of each allocation used as the kernels'
+    buffer, unchecked; a view it declines (None) takes the checked path, whose errors still stand."""
+    from blazecore import _array
+
+    made, viewed = [], []
+
+    def alloc(shape, dtype_name):
+        a = np.zeros(shape, dtype_name)
+        made.append(a)
+        return a
+
+    def view(a):
+        viewed.append(a)
+        return None if a.size == 0 else a[...]
+
+    alloc.blazecore_view = view
+    with _array.allocator(alloc):
+        out = _array.empty_gpu((3, 4), np.float32)
+        assert out.user is made[0] and out.view.base is made[0] and viewed == [made[0]]
+        empty = _array.empty_gpu((0, 4), np.float32)  # declined: the checked path views it
+        assert empty.view.shape == (0, 4) and viewed[-1] is made[-1]
+    bad = lambda shape, dtype_name: np.zeros((1,), dtype_name)  # noqa: E731
+    bad.blazecore_view = lambda a: None
+    with _array.allocator(bad), pytest.raises(RuntimeError, match="allocator returned"):
+        _array.empty_gpu((3, 4), np.float32)
+
+
 @pytest.mark.gpu
 def test_torch_cuda_views_equal_dlpack_views():
     """The torch adapter's direct CuPy views (no DLPack) of contiguous, strided, transposed, offset and bf16
@@ -155,7 +183,9 @@ def test_torch_cuda_views_equal_dlpack_views():
 
     base = torch.randn(7, 12, device="cuda")
     cases = {"contiguous": base, "transposed": base.t(), "strided": base[1::2, ::3], "offset": base[3:, 5:],
-             "bf16": base.bfloat16()[:, 2:], "int32": torch.arange(10, device="cuda", dtype=torch.int32)[::2],
+             "bf16": base.bfloat16()[:, 2:], "bf16 contiguous": base.bfloat16(),
+             "3-d": torch.randn(2, 3, 4, device="cuda"),
+             "int32": torch.arange(10, device="cuda", dtype=torch.int32)[::2],
              "int64": torch.arange(10, device="cuda")}
     for name, t in cases.items():
         v = _cuda_view(t)

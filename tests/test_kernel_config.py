@@ -187,6 +187,48 @@ def test_dh_epilogue_form_setting(monkeypatch):
             _moe_gpu._Kernels(blazecore.BF16, "swiglu")
 
 
+def test_layer_calls_share_their_kernel_lookups_until_a_setting_changes(monkeypatch):
+    """_kernels gives the calls of one configuration one _Kernels (its lookups made once), and a fresh one, with the
+    new choice, after anything its lookups read changes: a kernel setting in the environment, the NVRTC options, the
+    module's tile constants, the arch of the run. A lookup repeated on one instance gives the same answer as a new
+    instance's."""
+    with _array.dry_run("sm_90a"):
+        a = _moe_gpu._kernels(blazecore.BF16, "swiglu")
+        assert _moe_gpu._kernels(blazecore.BF16, "swiglu") is a
+        assert _moe_gpu._kernels(blazecore.BF16, "gelu") is not a
+        assert a.variant("dhcur") is a.variant("dhcur")
+        assert a.variant("dhcur") == _moe_gpu._Kernels(blazecore.BF16, "swiglu").variant("dhcur")
+        assert a.variant("dhcur").file == _moe_gpu._FILE_DH90
+        monkeypatch.setenv("BLAZECORE_SM90_DHCUR", "fused")
+        b = _moe_gpu._kernels(blazecore.BF16, "swiglu")
+        assert b is not a and b.variant("dhcur").file == _moe_gpu._FILE90
+        monkeypatch.delenv("BLAZECORE_SM90_DHCUR")
+        assert _moe_gpu._kernels(blazecore.BF16, "swiglu") is a
+        monkeypatch.setenv("BLAZECORE_SM90_B_LOAD", "cp_async")
+        assert _moe_gpu._kernels(blazecore.BF16, "swiglu").b_load == "cp_async"
+        monkeypatch.delenv("BLAZECORE_SM90_B_LOAD")
+        monkeypatch.setenv("BLAZECORE_NVRTC_OPTIONS", "-DBLZ_UNUSED=1")
+        assert _moe_gpu._kernels(blazecore.BF16, "swiglu") is not a
+        monkeypatch.delenv("BLAZECORE_NVRTC_OPTIONS")
+        monkeypatch.setattr(_moe_gpu, "STAGES_DH90", _moe_gpu.STAGES_DH90 + 1)
+        c = _moe_gpu._kernels(blazecore.BF16, "swiglu")
+        assert c is not a and c.variant("dhcur").stages == _moe_gpu.STAGES_DH90
+    with _array.dry_run("sm_80"):
+        assert not _moe_gpu._kernels(blazecore.BF16, "swiglu").sm90
+
+
+def test_argument_struct_values_out_of_range_are_refused():
+    """A value that does not fit its field (a negative address, an int32 field past 2^31) is an OverflowError, not a
+    silently wrapped field."""
+    dt = _moe_args.K_GROUPED
+    vals = {f: 1 for f in dt.names}
+    with pytest.raises(OverflowError, match="out of range"):
+        _moe_args.pack(dt, **{**vals, "A": -1})
+    with pytest.raises(OverflowError, match="out of range"):
+        _moe_args.pack(dt, **{**vals, "M": 2 ** 31})
+    assert int(_moe_args.pack(dt, **{**vals, "lda": 2 ** 40})["lda"]) == 2 ** 40
+
+
 def test_weight_gradient_addressing_width_follows_the_operand_extent():
     """The weight-gradient producer takes its 32-bit addressing only where every byte offset into the operand's rows
     (row count x row stride x element size, from its pointer) fits 32 bits; one byte more takes the 64-bit form."""

@@ -75,6 +75,7 @@ def _torch_allocator(device: torch.device):
     def alloc(shape, dtype_name):
         return torch.empty(shape, dtype=getattr(torch, dtype_name), device=device)
 
+    alloc.blazecore_view = _cuda_view  # (the core then skips its checks of the view: a fresh tensor is plain)
     return alloc
 
 
@@ -95,16 +96,30 @@ def _cuda_view(t):
     n = t.numel()
     if name is None or n == 0:
         return None
-    import cupy
-
+    cupy = _cupy()
     item = t.element_size()
-    shape, stride = tuple(t.shape), t.stride()
+    shape = tuple(t.shape)
+    if t.is_contiguous():  # (CuPy's default strides are the C-contiguous ones)
+        mem = cupy.cuda.UnownedMemory(t.data_ptr(), n * item, t, t.get_device())
+        return cupy.ndarray(shape, dtype=name, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    stride = t.stride()
     if any(st < 0 for st in stride):
         return None
     span = (sum((n_ - 1) * st for n_, st in zip(shape, stride, strict=True)) + 1) * item
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.device.index)
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device())
     return cupy.ndarray(shape, dtype=name, memptr=cupy.cuda.MemoryPointer(mem, 0),
                         strides=tuple(st * item for st in stride))
+
+
+_CUPY = []
+
+
+def _cupy():
+    if not _CUPY:
+        import cupy
+
+        _CUPY.append(cupy)
+    return _CUPY[0]
 
 
 @contextlib.contextmanager
