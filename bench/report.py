@@ -135,6 +135,19 @@ def dispatch_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def host_table(doc: dict) -> str:
+    h = doc["header"]
+    out = [f"Host time of one forward+backward through moe_ffn (\"ab\", bf16; scripts/probe_host.py; "
+           f"{_header_line(h)}, CPU {h.get('cpu')}): the host's ms a step with the GPU kept busy (median of "
+           f"{h.get('repeats')} timings of {h.get('steps')} steps), and the steps back to back and as replays of the "
+           "step captured in a CUDA graph:",
+           "", "| shape | tokens | host ms | back-to-back ms | graph replay ms |", "|---|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {r['host_ms']:.2f} | {r['eager_ms']:.2f} | "
+                   f"{r['graph_ms']:.2f} |")
+    return "\n".join(out)
+
+
 def hf_table(doc: dict) -> str:
     h = doc["header"]
     out = [f"transformers MoE training steps, {h.get('dtype')}, {h.get('batch')} x {h.get('seq')} tokens per step, "
@@ -285,7 +298,7 @@ def render(section: str = "") -> str:
         if (kind == SCALING) != (section == "scaling"):
             continue
         table = {"moe": moe_table, "gemm": gemm_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
-                 "scale": scale_table}.get(kind)
+                 "scale": scale_table, "host": host_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:

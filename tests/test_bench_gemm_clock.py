@@ -220,3 +220,22 @@ def test_the_launcher_patches_route_every_launch_and_restore_the_launchers(monke
         _moe_gpu._launch_k(None, "dw2", 1, None)
     assert timer.events == [] and ran[-1] == ("_launch_k", "dw2")
     assert {n: getattr(_moe_gpu, n) for n in origs} == origs
+
+
+def test_report_tables_the_host_times_as_probe_host_writes_them(tmp_path, monkeypatch):
+    """probe_host's JSON (written by the results writer) is a table in the report: a row per shape and token count
+    with its host, back-to-back and replay ms, and the CPU named in the caption; its file name decides the kind."""
+    from bench import report
+    from bench._common import write_json
+
+    rows = [{"shape": "fine", "tokens": 8192, "host_ms": 1.934, "host_rounds_ms": [1.9, 1.934, 2.0],
+             "eager_ms": 2.349, "graph_ms": 1.121}]
+    header = {"gpu": "GPU X", "gpu_slug": "x", "date": "2026-01-01", "git_commit": "abc", "torch": "2",
+              "cpu": "CPU Y", "steps": 20, "repeats": 3}
+    path = write_json("host", header, rows, tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "ROOT", tmp_path.parent)
+    text = report.render()
+    assert path.name == "host_x.json" and f"`{tmp_path.name}/host_x.json`" in text
+    assert "CPU Y" in text and "median of 3 timings of 20 steps" in text
+    assert "| fine | 8k | 1.93 | 2.35 | 1.12 |" in text
