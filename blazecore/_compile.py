@@ -176,7 +176,7 @@ def get_function(filename: str, name_expression: str, *, module_names=None, opti
     # BLAZECORE_NVRTC_OPTIONS: extra NVRTC options for every kernel (e.g. -DBLZ_SM90_PRODUCER_FENCE=1 to build a
     # variant the sources describe); part of the cache keys
     options = tuple(options) + tuple(os.environ.get("BLAZECORE_NVRTC_OPTIONS", "").split())
-    dev = cupy.cuda.Device().id
+    dev = current_device()
     names = tuple(sorted(set(module_names or ()) | {name_expression}))
     key = (filename, name_expression, names, tuple(options), dev, max_dynamic_smem)
     fn = _functions.get(key)

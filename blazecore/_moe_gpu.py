@@ -707,17 +707,15 @@ def forward(x, w13, w2, gates, chunks, activation, checkpoint, b13, b2, y, strea
         return (z.user if z is not None else None), {}
     kern = _kernels(dt, activation, weight_layout=weight_layout, path=gemm_path)
     for t0, t1, disp in chunks:
-        rows = _rows(t0, t1, L)
-        zc = rows(z.view, K) if z is not None else None
-        _forward_chunk(kern, rows(x), w13, w2, rows(gates), disp, b13, b2, rows(y), zc, stream, act_in_operand)
+        zc = _rows(z.view, t0, t1, L, K) if z is not None else None
+        _forward_chunk(kern, _rows(x, t0, t1, L), w13, w2, _rows(gates, t0, t1, L), disp, b13, b2,
+                       _rows(y, t0, t1, L), zc, stream, act_in_operand)
     return (z.user if z is not None else None), {"z_view": z.view if z is not None else None}
 
 
-def _rows(t0: int, t1: int, L: int):
-    """``rows(a, per=1)``: the rows [t0 * per, t1 * per) of ``a``, ``a`` itself when the chunk is all L tokens."""
-    if t0 == 0 and t1 == L:
-        return lambda a, per=1: a
-    return lambda a, per=1: a[t0 * per:t1 * per]
+def _rows(a, t0: int, t1: int, L: int, per: int = 1):
+    """The rows [t0 * per, t1 * per) of ``a``: ``a`` itself when the chunk is all L tokens (no view to make)."""
+    return a if t0 == 0 and t1 == L else a[t0 * per:t1 * per]
 
 
 def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_operand=False):
@@ -862,11 +860,11 @@ def backward(dy, saved, chunks, block_tokens, dx, dw13, dw2, dgates, db13, db2, 
     zsl = h_slices(h, d, lean=True) if z is None and h > d else None  # the z-sliced backward's slices
     carry = _Carry(kern, E, d, h, H2, db13, db2, zsl) if len(chunks) > 1 else None
     for i, (t0, t1, disp) in enumerate(chunks):
-        rows = _rows(t0, t1, L)
-        zc = rows(z, K) if z is not None else None
+        zc = _rows(z, t0, t1, L, K) if z is not None else None
         flags = (1 if i > 0 else 0) | (2 if i + 1 < len(chunks) else 0)
-        _backward_chunk(kern, saved, rows(dy), rows(x), rows(gates), disp, zc, reuse_saved, block_tokens,
-                        rows(dx), dw13, dw2, rows(dgates), db13, db2, carry, flags, stream)
+        _backward_chunk(kern, saved, _rows(dy, t0, t1, L), _rows(x, t0, t1, L), _rows(gates, t0, t1, L), disp, zc,
+                        reuse_saved, block_tokens, _rows(dx, t0, t1, L), dw13, dw2, _rows(dgates, t0, t1, L), db13,
+                        db2, carry, flags, stream)
 
 
 def _block_starts(kern, disp, E, L, block_tokens, stream):

@@ -59,7 +59,7 @@ def tiled_map(address: int, dtype: str, dims, strides_bytes, box, swizzle: int =
     box: the box extents in elements (each <= 256; with the 128-byte swizzle the inner box is at most 128 bytes).
     Elements outside ``dims`` read as zero. Raises TmaError if the driver rejects the description.
     """
-    key = (address, dtype, tuple(dims), tuple(strides_bytes), tuple(box), swizzle)  # (integers hash as ints)
+    key = (address, dtype, tuple(dims), tuple(strides_bytes), tuple(box), swizzle)  # (NumPy integers hash as ints)
     with _lock:
         m = _cache.get(key)
         if m is not None:
@@ -68,7 +68,6 @@ def tiled_map(address: int, dtype: str, dims, strides_bytes, box, swizzle: int =
     dims = tuple(int(v) for v in dims)
     strides_bytes = tuple(int(v) for v in strides_bytes)
     box = tuple(int(v) for v in box)
-    key = (int(address), dtype, dims, strides_bytes, box, int(swizzle))
     rank = len(dims)
     if not (1 <= rank <= 5 and len(strides_bytes) == rank - 1 and len(box) == rank):
         raise TmaError(f"tensor map rank {rank}: dims {dims}, strides {strides_bytes}, box {box}")

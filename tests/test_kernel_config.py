@@ -264,3 +264,26 @@ def test_cluster_occupancy_is_zero_without_a_driver(monkeypatch):
         ptr = 12345
 
     assert _compile.max_active_clusters(Fn(), 384, 230672, 2) == 0
+
+
+def test_tensor_maps_are_encoded_once_per_description(monkeypatch):
+    """tiled_map asks the driver once per description: the same one again (NumPy integers for ints, lists for tuples)
+    is a cache hit, another box a new map; a bad rank is a TmaError before the driver is asked."""
+    from blazecore import _tma
+
+    calls = []
+
+    def encode(buf, dt, rank, addr, gdim, gstr, bdim, estr, interleave, swizzle, promo, fill):
+        calls.append((addr.value, list(gdim), list(bdim)))
+        return 0
+
+    monkeypatch.setattr(_tma, "_encode", encode)
+    monkeypatch.setattr(_tma, "_cache", type(_tma._cache)())
+    a = _tma.tiled_map(4096, "bfloat16", (64, 128), (128,), (64, 16))
+    b = _tma.tiled_map(np.uint64(4096), "bfloat16", [np.int64(64), 128], [128], (64, np.int32(16)))
+    assert a is b and len(calls) == 1
+    _tma.tiled_map(4096, "bfloat16", (64, 128), (128,), (64, 64))
+    assert len(calls) == 2 and calls[1][2] == [64, 64]
+    with pytest.raises(_tma.TmaError, match="rank"):
+        _tma.tiled_map(4096, "bfloat16", (64, 128), (), (64, 16))
+    assert len(calls) == 2

@@ -96,7 +96,7 @@ def _cuda_view(t):
     n = t.numel()
     if name is None or n == 0:
         return None
-    cupy = _cupy()
+    cupy = _array._cupy()
     item = t.element_size()
     shape = tuple(t.shape)
     if t.is_contiguous():  # (CuPy's default strides are the C-contiguous ones)
@@ -110,16 +110,6 @@ def _cuda_view(t):
     return cupy.ndarray(shape, dtype=name, memptr=cupy.cuda.MemoryPointer(mem, 0),
                         strides=tuple(st * item for st in stride))
 
-
-_CUPY = []
-
-
-def _cupy():
-    if not _CUPY:
-        import cupy
-
-        _CUPY.append(cupy)
-    return _CUPY[0]
 
 
 @contextlib.contextmanager
