@@ -111,7 +111,6 @@ def _cuda_view(t):
                         strides=tuple(st * item for st in stride))
 
 
-
 @contextlib.contextmanager
 def _core_call(device: torch.device):
     """Context for one core call on ``device``; yields the ``stream=`` argument (None on the CPU).
