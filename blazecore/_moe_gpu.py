@@ -99,6 +99,7 @@ WGRAD_CLUSTER = 2
 # on fine (about 12%) and mixtral (3-6%), see docs/sm90_kernels.md. BLAZECORE_SM90_DHCUR overrides DHCUR.
 DHCUR_FORMS = ("overlap", "fused")
 DHCUR = "overlap"
+DGATES_SMALL_PARTS = 8  # moe_dgates_small's most partials a slot (its DGATES_SMALL_PARTS)
 STAGES_DH90 = 3  # moe_dhcur_sm90's ring: 3 stages of 48 KB beside dh' and the z rows, see sm90::DhCfg
 STAGE_ROWS_MODES = ("auto", "always", "never")
 STAGE_ROWS = "auto"
@@ -188,7 +189,7 @@ def _module_names(ct, act, t=False):
 def _helper_names(ct):
     staged = [f"blz::moe_gather_rows<{ct}, {v}>" for v in (8, 1)] if ct != "float" else []  # 16-bit: sm_90a only
     return ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
-            "blz::moe_block_starts", "blz::moe_mark_seen", *staged]
+            "blz::moe_dgates_small", "blz::moe_block_starts", "blz::moe_mark_seen", *staged]
 
 
 def _a_tiles90(act, a_act):
@@ -1022,7 +1023,13 @@ def _mark_seen(kern, disp, E, carry, flags, stream):
 
 
 def _dgates(kern, part, tiles_nh, disp, E, LK, dy, b2, K, d, dgates, stream):
-    """dgates from the dh' epilogue's per-(slot, n-tile) partial sums (+ dy . b2 with a bias)."""
+    """dgates from the dh' epilogue's per-(slot, n-tile) partial sums (+ dy . b2 with a bias): a thread a pair
+    without a bias and with few partials (moe_dgates_small), else a warp a pair; the bits are the same."""
+    if b2 is None and tiles_nh <= DGATES_SMALL_PARTS:
+        kern.fn("blz::moe_dgates_small")((-(-LK // 256),), (256,),
+                                         (part, np.int32(tiles_nh), disp.pair_slot, np.int64(LK), dgates),
+                                         stream=stream)
+        return
     warps = 8
     kern.fn(f"blz::moe_dgates<{kern.ct}>")(
         (-(-LK // warps),), (32 * warps,),

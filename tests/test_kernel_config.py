@@ -49,14 +49,19 @@ def _sm90_asserts() -> list[str]:
     return out
 
 
+def _helper_asserts() -> list[str]:
+    return [f"blz::DGATES_SMALL_PARTS == {_moe_gpu.DGATES_SMALL_PARTS}"]
+
+
 def _source(include: str, asserts: list[str]) -> str:
     body = "\n".join(f'static_assert({a}, "{a.replace(chr(34), "")}");' for a in asserts)
     return f'#include "{include}"\n{body}\n'
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("include, asserts", [("moe_gemm_sm80.cu", _sm80_asserts), ("sm90_common.cuh", _sm90_asserts)],
-                         ids=["moe_gemm", "moe_sm90"])
+@pytest.mark.parametrize("include, asserts", [("moe_gemm_sm80.cu", _sm80_asserts), ("sm90_common.cuh", _sm90_asserts),
+                                             ("moe_helpers.cu", _helper_asserts)],
+                         ids=["moe_gemm", "moe_sm90", "moe_helpers"])
 def test_launcher_constants_match_the_kernels(include, asserts, arch):
     _compile.compile_source(_source(include, asserts()), "kernel_config_check.cu", (), arch)
 

@@ -555,6 +555,39 @@ def test_sm90_staged_rows_bit_identical_gpu(case, activation, monkeypatch):
                      exp, activation, checkpoint, **kw)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("nparts", range(1, 9))
+def test_dgates_thread_and_warp_forms_agree_gpu(nparts):
+    """moe_dgates_small (a thread a pair, no bias) sums a slot's partials in the order of moe_dgates' butterfly (a warp
+    a pair): the two give the same bits (signed zeros, magnitudes far apart, a permuted pair_slot), and both match the
+    float64 sum. _dgates takes the thread form where it may."""
+    import cupy as cp
+
+    from blazecore import _moe_gpu
+
+    rng = np.random.default_rng(nparts)
+    LK, K = 4099, 7
+    part = (rng.standard_normal((LK, nparts)) * 10.0 ** rng.integers(-6, 6, (LK, nparts))).astype(np.float32)
+    part[rng.random((LK, nparts)) < 0.05] = -0.0
+    slot = rng.permutation(LK).astype(np.int32)
+    dpart, dslot = cp.asarray(part), cp.asarray(slot)
+    offsets = cp.asarray(np.array([0, LK], np.int32))
+    kern = _moe_gpu._kernels(BF16, "swiglu")
+    small, warp = cp.full(LK, np.nan, np.float32), cp.full(LK, np.nan, np.float32)
+    kern.fn("blz::moe_dgates_small")((-(-LK // 256),), (256,), (dpart, np.int32(nparts), dslot, np.int64(LK), small))
+    null = _moe_gpu._NULL
+    kern.fn(f"blz::moe_dgates<{kern.ct}>")((-(-LK // 8),), (256,), (dpart, np.int32(nparts), dslot, offsets,
+                                                                    np.int32(1), np.int64(LK), null, null, np.int32(K),
+                                                                    np.int32(0), warp))
+    assert small.get().tobytes() == warp.get().tobytes()
+    np.testing.assert_allclose(small.get(), part.astype(np.float64).sum(1)[slot], rtol=1e-5,
+                               atol=1e-5 * np.abs(part).max(1)[slot])
+    via = cp.full(LK, np.nan, np.float32)
+    disp = types.SimpleNamespace(pair_slot=dslot, expert_offsets=offsets)
+    _moe_gpu._dgates(kern, dpart, nparts, disp, 1, LK, None, None, K, 0, via, None)
+    assert via.get().tobytes() == warp.get().tobytes()
+
+
 @pytest.mark.parametrize("var", ["BLAZECORE_SM90_B_LOAD", "BLAZECORE_SM90_OUT_STORE", "BLAZECORE_STAGE_ROWS",
                                  "BLAZECORE_SM90_CLUSTER"])
 def test_kernel_settings_are_checked_at_entry(var, monkeypatch):

@@ -106,6 +106,27 @@ __global__ void __launch_bounds__(256) moe_dgates(const float* __restrict__ part
   if (lane == 0) dgates[p] = v;
 }
 
+// moe_dgates without a bias and with at most DGATES_SMALL_PARTS partials a slot: one thread a (t, k). The partials
+// are summed in the order of moe_dgates' butterfly (lane j holds part j, zero past nparts; xor offsets 16, 8, 4, 2,
+// 1), so both kernels give the same bits.
+constexpr int DGATES_SMALL_PARTS = 8;
+__global__ void __launch_bounds__(256) moe_dgates_small(const float* __restrict__ part, int nparts,
+                                                         const int* __restrict__ pair_slot, long long num_pairs,
+                                                         float* __restrict__ dgates) {
+  const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= num_pairs) return;
+  const float* src = part + (long long)__ldg(pair_slot + p) * nparts;
+  float a[DGATES_SMALL_PARTS];
+#pragma unroll
+  for (int j = 0; j < DGATES_SMALL_PARTS; ++j) a[j] = j < nparts ? 0.f + __ldg(src + j) : 0.f;
+#pragma unroll
+  for (int o = DGATES_SMALL_PARTS / 2; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < o; ++j) a[j] += a[j + o];
+  }
+  dgates[p] = a[0];
+}
+
 // out[e, c] = sum_{s in expert e, in order} scale(s) * src[row(s), c]: bias gradients, deterministic.
 // row(s) = slot_token[s] when gathering (dy), else s (dz); scale(s) = gate of s when gates != nullptr.
 // Chunked execution: carry_in continues the fp32 sums of earlier chunks from carry (E, cols), carry_out
