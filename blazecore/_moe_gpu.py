@@ -211,11 +211,13 @@ def _wgrad90_name(ct, a_gather, b_gather, out_t=False, carry_in=False, a_tma=Fal
             f"{b(a_tma)}, {b(b_tma)}, {_stages90(BN90)}>")
 
 
-def _name90(ct, which, v, carry_in=False, b_load="cp_async", cluster=1):
+def _name90(ct, which, v, carry_in=False, b_load="cp_async", cluster=1, t=False):
     """The sm_90a kernel of one GEMM variant; ``carry_in``: the weight-gradient instantiation that continues
     the fp32 partial sums of an earlier chunk (its accumulator loads serialize wgmma, so it is kept apart);
     ``b_load``: how the dense operand is loaded (one of B_LOADS): B of an M-grouped kernel, the slot-indexed B of
-    a weight-gradient kernel; ``cluster``: 2 for the weight gradients' 2-CTA cluster form (B by TMA, multicast)."""
+    a weight-gradient kernel; ``cluster``: 2 for the weight gradients' 2-CTA cluster form (B by TMA, multicast);
+    ``t``: weights stored "in_out" (the M-grouped GEMMs' B of the other major-ness, ``v``'s; the weight gradients'
+    tiles stored the other way round, see _wgrad_out_t)."""
     b_kmajor, epi, act, a_gather = v.b_kmajor, v.epi, v.act, v.a_gather
     tma = b_load == "tma"
     if which == "gemm2z":
@@ -225,16 +227,23 @@ def _name90(ct, which, v, carry_in=False, b_load="cp_async", cluster=1):
         # the slot-indexed operand (g * hcur, dz) is B, on the 256-column side, by TMA (b_load "tma"); dw13 = dz^T x_g
         # is computed as transposed tiles (x_g^T dz, stored as out[e][n][m])
         staged = which in _STAGED
-        return _wgrad90_name(ct, not staged, False, out_t=which.startswith("dw13"), carry_in=carry_in, a_tma=staged,
+        return _wgrad90_name(ct, not staged, False, out_t=_wgrad_out_t(which, t), carry_in=carry_in, a_tma=staged,
                              b_tma=tma, cluster=cluster if tma else 1)
     # a slot-ordered A beside a TMA B (the second GEMM's hcur, dx's dz) comes by TMA too
     return _gemm90_name(ct, b_kmajor, epi, act, a_gather, b_tma=tma, a_tma=tma and which in _A_TMA)
 
 
+def _wgrad_out_t(which: str, t: bool) -> bool:
+    """Whether an sm_90a weight-gradient launch stores its tiles transposed (out[e][n][m]): its tiles are x_g^T dz
+    (dw13) and dy_g^T (g hcur) (dw2), so dw13 stored "out_in" (E, 2h, d) and dw2 stored "in_out" (E, h, d) are."""
+    return which.startswith("dw13") != t
+
+
 @functools.lru_cache(maxsize=None)  # asked for at every launch (and every launch of a dry run)
-def _module_names90(ct, act):
-    """The sm_90a M-grouped kernels of one (dtype, activation): one module of _FILE90."""
-    variants = _variants(act)
+def _module_names90(ct, act, t=False):
+    """The sm_90a M-grouped kernels of one (dtype, activation, weight layout; ``t``: "in_out"): one module of
+    _FILE90."""
+    variants = _variants(act, t)
     return tuple(dict.fromkeys(_name90(ct, k, v, b_load=b_load) for k, v in variants.items() if k in _M_GROUPED
                                for b_load in B_LOADS))
 
@@ -317,7 +326,8 @@ def _persistent_cluster_grid(fn, kv, grid, cluster):
 
 
 _compile.register_kernels(
-    _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for n in _module_names90(ct, a)]
+    _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for t in (False, True)
+              for n in _module_names90(ct, a, t)]
 )
 _compile.register_kernels(_FILE_WGRAD90, [n for ct in ("__nv_bfloat16", "__half") for n in _wgrad_names90(ct)])
 _compile.register_kernels(_FILE_DH90, [n for ct in ("__nv_bfloat16", "__half") for n in _dh_names90(ct)])
@@ -367,12 +377,12 @@ class _Kernels:
         self.dhcur = st["dhcur"]
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
-        # arguments) (the wgmma kernels read "out_in" [gate; up] weights only; other layouts run mma.sync)
+        # arguments) (the wgmma kernels read [gate; up] weights, "out_in" or "in_out"; interleaved pairs run mma.sync)
         if path is None and _array.dry() is not None:
             wgmma = True  # a dry run follows its own arch only
         else:
             wgmma = wgmma_asked(path)
-        self.sm90 = self.itemsize == 2 and not (self.interleaved or self.t) and \
+        self.sm90 = self.itemsize == 2 and not self.interleaved and \
             _compile.device_arch() == "sm_90a" and wgmma
         self._memo: dict = {}  # variant / gemm / fn lookups by their arguments
 
@@ -394,13 +404,15 @@ class _Kernels:
 
     def _variant(self, which, carry_in, b_load, cluster) -> KernelVariant:
         v = self.variants[which]
-        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap":
+        # (dh' on the producer reads w2 N-major, "out_in"; "in_out" runs the fused form)
+        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap" and \
+                not self.t:
             return KernelVariant(_FILE_DH90, f"blz::moe_dhcur_sm90<{self.ct}, {self.act}, {STAGES_DH90}>", NTHREADS90,
                                  BM, BN90, STAGES_DH90, _smem_dh90())
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
-            name = _name90(self.ct, which, v, carry_in, b_load or self.b_load, cluster)
+            name = _name90(self.ct, which, v, carry_in, b_load or self.b_load, cluster, self.t)
             return KernelVariant(file, name, NTHREADS90, BM, BN90, _stages90(BN90, a_tiles), _smem90(BN90, a_tiles))
         return KernelVariant(_FILE, _gemm_name(self.ct, v), NTHREADS, BM, BN, STAGES,
                              _smem_bytes(self.itemsize, v.a_kmajor, v.b_kmajor))
@@ -408,7 +420,7 @@ class _Kernels:
     def module_names(self, kv: KernelVariant):
         """The name expressions of the module (one NVRTC program of ``kv.file``) that holds ``kv``'s kernel."""
         if kv.file == _FILE90:
-            return _module_names90(self.ct, self.act)
+            return _module_names90(self.ct, self.act, self.t)
         if kv.file == _FILE_WGRAD90:
             return _wgrad_names90(self.ct)
         if kv.file == _FILE_DH90:
@@ -491,16 +503,19 @@ class _Staged:
 def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
     by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2), the halves ``up`` rows apart
-    (0: N; a gated launch over a column slice of h passes h); N-major (E, Kd, N): 3-D (N, Kd, E), box (64, 64).
-    Encoded on the host (no device work) and cached per pointer and shape."""
+    (0: N; a gated launch over a column slice of h passes h); N-major (E, Kd, N): 3-D (N, Kd, E), box (64, 64), or
+    gated ("in_out" w13) 4-D (N, halves, Kd, E), box (64, 1, 64), the halves ``up`` columns apart. Encoded on the
+    host (no device work) and cached per pointer and shape."""
     if kern.b_load != "tma" or getattr(_array, "dry", lambda: None)() is not None:
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
     es = kern.itemsize
+    halves = 2 if _STAGED.get(which, which) == "gemm1" and kern.gated else 1
     if kern.variants[which].b_kmajor:
-        halves = 2 if _STAGED.get(which, which) == "gemm1" and kern.gated else 1
         return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, (up or N) * ldb * es, b_estride * es),
                               (64, BN90 // 2, 1, 1))
+    if halves == 2:
+        return _tma.tiled_map(B.data.ptr, dt, (N, 2, Kd, E), ((up or N) * es, ldb * es, b_estride * es), (64, 1, 64, 1))
     return _tma.tiled_map(B.data.ptr, dt, (N, Kd, E), (ldb * es, b_estride * es), (64, 64, 1))
 
 
@@ -529,7 +544,7 @@ def _out_map(kern, role, out, ldo, N):
 
 def _wgrad_out_map(kern, which, out, ldo, o_estride, E, M, N):
     """tmap_o of a weight-gradient launch: out (E, M, N) with row stride ``ldo`` and expert stride ``o_estride``, as
-    3-D (N, M, E), box (64, 16, 1), 128-byte swizzle, or for the transposed tiles of dw13 (out[e][n][m]) (M, N, E),
+    3-D (N, M, E), box (64, 16, 1), 128-byte swizzle, or for transposed tiles (out[e][n][m], _wgrad_out_t) (M, N, E),
     box (16, 64, 1), no swizzle (32-byte rows). A null map (the kernel then stores by threads) where the copy engine
     cannot take it: stores by threads asked for (OUT_STORE "st_global"), a dry run, or an address or stride that is
     not 16-byte aligned."""
@@ -538,7 +553,7 @@ def _wgrad_out_map(kern, which, out, ldo, o_estride, E, M, N):
             or (o_estride * es) % 16 or min(M, N, E) <= 0):
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
-    if which.startswith("dw13"):
+    if _wgrad_out_t(which, kern.t):
         dims, box, swizzle = (M, N, E), (16, 64, 1), _tma.SWIZZLE_NONE
     else:
         dims, box, swizzle = (N, M, E), (64, 16, 1), _tma.SWIZZLE_128B
@@ -823,11 +838,12 @@ def wgrad_grids(sm90: bool, t: bool, E: int, d: int, h: int, H2: int, slices=Non
                 interleaved: bool = False) -> tuple[list[int], list[int]]:
     """CTAs of each dw13 launch and of each dw2 launch of one backward chunk, in launch order: one launch each, or
     with ``slices`` (the z-sliced backward's column slices of h) one per slice (dw13: per part, see _z_parts).
-    ``sm90``: the sm_90a kernels (256-column tiles, dw13 computed transposed); ``t``: weights stored "in_out"."""
+    ``sm90``: the sm_90a kernels (256-column tiles, dy_g^T (g hcur) and x_g^T dz tiles whatever the layout); ``t``:
+    weights stored "in_out"."""
     bn = BN90 if sm90 else BN
     cd = lambda n, m: -(-n // m)  # noqa: E731
     g13 = lambda m: E * (cd(d, BM) * cd(m, bn) if t or sm90 else cd(m, BM) * cd(d, bn))  # noqa: E731
-    g2 = lambda w: E * (cd(w, BM) * cd(d, bn) if t else cd(d, BM) * cd(w, bn))  # noqa: E731
+    g2 = lambda w: E * (cd(w, BM) * cd(d, bn) if t and not sm90 else cd(d, BM) * cd(w, bn))  # noqa: E731
     if slices is None:
         return [g13(H2)], [g2(h)]
     gated = H2 != h
@@ -953,13 +969,14 @@ def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None
     """dw2's columns [c0, c0 + w) of h (stored "in_out": rows) from the slice's g * hcur rows hg (L*K, w); ``stage``:
     dy's rows staged in slot order (a :class:`_Staged` shared by the slices, see :func:`_dy_stage`)."""
     w = hg.shape[1]
-    if kern.t:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
+    if kern.t and not kern.sm90:  # dw2 stored (E, h, d): dw2^T = (g hcur)^T dy_g, rows c0.. of h
         _launch_k(kern, "dw2", E * -(-w // BM) * kern.tiles_n("dw2", d), stream, A=hg, lda=w, B=dy, ldb=d,
                   disp=disp, E=E, M=w, N=d, out=dw2[:, c0:], ldo=d,
                   o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, **ck)
-    else:
+    else:  # dy_g^T (g hcur) tiles; "in_out" on sm_90a: stored transposed, rows c0.. of h
+        out, ldo = (dw2[:, c0:], d) if kern.t else (dw2[:, :, c0:], h)
         _launch_k(kern, "dw2" if stage is None else "dw2s", E * -(-d // BM) * kern.tiles_n("dw2", w), stream, A=dy,
-                  lda=d, B=hg, ldb=w, disp=disp, E=E, M=d, N=w, out=dw2[:, :, c0:], ldo=h,
+                  lda=d, B=hg, ldb=w, disp=disp, E=E, M=d, N=w, out=out, ldo=ldo,
                   o_estride=d * h, kblocks=blk, num_kblocks=nb, carry=carry, stage=stage, **ck)
 
 

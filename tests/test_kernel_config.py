@@ -192,6 +192,33 @@ def test_dh_epilogue_form_setting(monkeypatch):
             _moe_gpu._Kernels(blazecore.BF16, "swiglu")
 
 
+def test_in_out_weights_take_the_wgmma_kernels_on_sm90():
+    """On sm_90a, 16-bit "in_out" weights (E, d, 2h) / (E, h, d) run the wgmma kernels with B of the other
+    major-ness in every M-grouped GEMM (dh' in the fused form, whose B may be K-major), and the weight gradients'
+    tiles stored the other way round (dw13 as computed, dw2 transposed), each a kernel that the compile check builds;
+    interleaved gate/up rows and fp32 keep the mma.sync kernels."""
+    with _array.dry_run("sm_90a"):
+        t = _moe_gpu._Kernels(blazecore.BF16, "swiglu", weight_layout="in_out")
+        o = _moe_gpu._Kernels(blazecore.BF16, "swiglu")
+        assert t.sm90 and o.sm90
+        registered = set(_compile.KERNELS[_moe_gpu._FILE90]) | set(_compile.KERNELS[_moe_gpu._FILE_WGRAD90])
+        for which in ("gemm1", "gemm1s", "gemm2", "gemm2z", "dhcur", "dx"):
+            kv = t.variant(which)
+            assert kv.file == _moe_gpu._FILE90 and kv.name in registered, which
+            assert t.variants[which].b_kmajor != o.variants[which].b_kmajor, which
+        for which, out_t in (("dw13", False), ("dw2", True)):
+            kv, ko = t.variant(which), o.variant(which)
+            assert kv.name in registered and ko.name in registered, which
+            assert kv.name == _moe_gpu._wgrad90_name(t.ct, True, False, out_t=out_t, b_tma=t.b_load == "tma")
+            assert ko.name == _moe_gpu._wgrad90_name(o.ct, True, False, out_t=not out_t, b_tma=o.b_load == "tma")
+            assert _moe_gpu._wgrad_out_t(which, True) == out_t != _moe_gpu._wgrad_out_t(which, False)
+        assert not _moe_gpu._Kernels(blazecore.BF16, "swiglu_interleaved", weight_layout="in_out").sm90
+        assert not _moe_gpu._Kernels(np.float32, "swiglu", weight_layout="in_out").sm90
+        # the weight-gradient grids of the chunk carry follow the tiles the sm_90a kernels compute
+        g13, g2 = _moe_gpu.wgrad_grids(True, True, 4, 300, 200, 400)
+        assert (g13, g2) == _moe_gpu.wgrad_grids(True, False, 4, 300, 200, 400)
+
+
 def test_layer_calls_share_their_kernel_lookups_until_a_setting_changes(monkeypatch):
     """_kernels gives the calls of one configuration one _Kernels (its lookups made once), and a fresh one, with the
     new choice, after anything its lookups read changes: a kernel setting in the environment, the NVRTC options, the

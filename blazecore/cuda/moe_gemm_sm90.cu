@@ -63,7 +63,9 @@ namespace blz {
 //   K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2, 1, 1): two boxes per stage, the gate and up
 //     rows of a gated tile (halves = 2) or rows n0 and n0 + BN/2 (halves = 1); each box lands as BN/2 swizzled
 //     128-byte rows, which is the layout the cp.async path writes.
-//   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom.
+//   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom; a gated
+//     tile's ("in_out" w13 (E, d, 2h)) 4-D (N, halves, Kd, E), the halves args.up columns apart, box (64, 1, 64, 1):
+//     the first BN/128 atoms the gate columns, the others the matching up columns.
 template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN, bool B_TMA, bool A_ACT, bool A_TMA,
           int STAGES>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
@@ -99,7 +101,6 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   using C = sm90::Cfg<BN, A2 ? 2 : 1, STAGES>;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
-  static_assert(!(B_TMA && GATED && !B_KMAJOR), "TMA B: gated tiles need K-major weights");
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
@@ -260,6 +261,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
               sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
               if (!BLZ_PROBE_HALF_B)
                 sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
+            } else if constexpr (GATED) {
+              // atoms [0, BN/128) the gate columns n0 + 64 a, the rest the up columns (the map's second dimension)
+              constexpr int AH = BN / 128;  // atoms a half
+#pragma unroll
+              for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+                sm90::tma_load_4d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, n0 + 64 * (a % AH), a / AH, k0, e);
             } else {
 #pragma unroll
               for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
