@@ -196,3 +196,33 @@ def test_torch_moe_ffn_in_out_interleaved(device):
     for k, w in want.items():
         assert s[k].grad.shape == s[k].shape, k
         assert_close(f(s[k].grad), w, rtol, f"d{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", ["swiglu", "gelu"])
+def test_in_out_sm90_forms_bit_identical_gpu(base, monkeypatch):
+    """"in_out" weights on each form of the sm_90a kernels: the weights by TMA or by cp.async (BLAZECORE_SM90_B_LOAD),
+    the gathered rows staged in slot order first or not (BLAZECORE_STAGE_ROWS "always" / "never"): every run matches
+    the reference (both policies) and has the first run's bits. (On other GPUs the mma.sync kernels run, and the runs
+    agree trivially.)"""
+    case = next(c for c in CASES if c.name == "tiles")
+    inp = _inputs(case, "bf16", base, True)
+    stored = _store(inp, False, "in_out")
+    dev = _on(stored, "gpu")
+    y_ref, g_ref = _expected(inp, base, False, "in_out", "gpu")
+    forms = [("tma", "never"), ("tma", "always"), ("cp_async", "never"), ("cp_async", "always")]
+    for checkpoint in ("ab", "none"):
+        runs = []
+        for b_load, stage in forms:
+            monkeypatch.setenv("BLAZECORE_SM90_B_LOAD", b_load)
+            monkeypatch.setenv("BLAZECORE_STAGE_ROWS", stage)
+            y, _, g = _run(dev, base, "in_out", checkpoint)
+            assert_close(y, y_ref, TOL[DTYPES["bf16"]], f"{b_load} {stage} {checkpoint} y")
+            for key in GRAD_KEYS:
+                assert_close(getattr(g, key), g_ref[key], TOL[DTYPES["bf16"]], f"{b_load} {stage} {checkpoint} {key}")
+            runs.append((y, g))
+        for (b_load, stage), (y, g) in zip(forms[1:], runs[1:], strict=True):
+            assert _bytes(y) == _bytes(runs[0][0]), f"{b_load} {stage} {checkpoint} y bits"
+            for key in GRAD_KEYS:
+                assert _bytes(getattr(g, key)) == _bytes(getattr(runs[0][1], key)), \
+                    f"{b_load} {stage} {checkpoint} {key} bits"
