@@ -262,8 +262,8 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
             (default 0.9 of it); the CPU path always runs one chunk for "auto" (and still checks the budget).
         weight_layout: "out_in" (default): w13 (E, R, d) and w2 (E, d, h), (out, in) per expert like nn.Linear;
             "in_out": the transposes, w13 (E, d, R) and w2 (E, h, d), read as stored (no copy); the backward's
-            dw13 and dw2 then come in that layout too. On the GPU, "in_out" and interleaved activations run on
-            the mma.sync kernels (the sm_90a wgmma kernels read the "out_in" [gate; up] layout only).
+            dw13 and dw2 then come in that layout too. On Hopper both layouts run the wgmma kernels (16-bit
+            types); interleaved activations run on the mma.sync kernels.
         act_in_operand: checkpoint "ab" on the sm_90a kernels: the second GEMM reads the saved pre-activations z
             and applies the activation to its operand tiles in registers, so the forward never holds the
             (L*K, h) activations (its peak is y, z and the per-slot output rows). The same bits of y; slower,
