@@ -257,10 +257,15 @@ def _wgrad_names90(ct):
                                for cluster in WGRAD_CLUSTERS))
 
 
+def _dh90_name(ct, act, t=False):
+    """The sm_90a dh' kernel with the epilogue on the producer warpgroup; ``t``: w2 stored "in_out" (B K-major)."""
+    return f"blz::moe_dhcur_sm90<{ct}, {act}, {STAGES_DH90}{', true' if t else ''}>"
+
+
 def _dh_names90(ct):
-    """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation): one module of
-    _FILE_DH90."""
-    return tuple(f"blz::moe_dhcur_sm90<{ct}, {a}, {STAGES_DH90}>" for a in _ACT_IDS.values())
+    """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation and weight layout): one
+    module of _FILE_DH90."""
+    return tuple(_dh90_name(ct, a, t) for a in _ACT_IDS.values() for t in (False, True))
 
 
 def _smem_dh90(stages=STAGES_DH90):
@@ -404,11 +409,9 @@ class _Kernels:
 
     def _variant(self, which, carry_in, b_load, cluster) -> KernelVariant:
         v = self.variants[which]
-        # (dh' on the producer reads w2 N-major, "out_in"; "in_out" runs the fused form)
-        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap" and \
-                not self.t:
-            return KernelVariant(_FILE_DH90, f"blz::moe_dhcur_sm90<{self.ct}, {self.act}, {STAGES_DH90}>", NTHREADS90,
-                                 BM, BN90, STAGES_DH90, _smem_dh90())
+        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap":
+            return KernelVariant(_FILE_DH90, _dh90_name(self.ct, self.act, self.t), NTHREADS90, BM, BN90, STAGES_DH90,
+                                 _smem_dh90())
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90

@@ -1,6 +1,7 @@
 // sm_90a dh' (the EPI_DHCUR contract of moe_gemm_sm90.cu) with its epilogue under the next tile's mainloop.
 //
-//   dh'[s, n] = sum_k dy[slot_token[s], k] * w2_e[k, n]          (w2 "out_in": (E, d, h), B N-major)
+//   dh'[s, n] = sum_k dy[slot_token[s], k] * w2_e[k, n]          (w2 "out_in": (E, d, h), B N-major; "in_out":
+//                                                                 (E, h, d), B K-major, B_KMAJOR)
 //   then, per element: dz = act backward (g folded in), g * hcur, and the dgates partial sum of dh' * hcur a row
 //
 // The epilogue reads z (2h a slot row) and writes dz and g * hcur (3h): run by the consumers after their
@@ -13,7 +14,8 @@
 // CTA = 3 warpgroups (384 threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
 //   warpgroup 0     warp 0 the copies: the gathered dy rows by cp.async (8 threads a 128-byte row, rows r0 + 4 i)
 //                   and B's four [64 k][64 n] atoms by TMA (box (64, 64), one issuing thread) into a STAGES-deep ring
-//                   of 48 KB stages, laid out as moe_gemm_sm90's N-major form. Warps 1-3 the previous tile's epilogue
+//                   of 48 KB stages, laid out as moe_gemm_sm90's N-major form (B_KMAJOR: two boxes (64, 128) of
+//                   rows, its K-major form). Warps 1-3 the previous tile's epilogue
 //                   while the consumers run this one's mainloop: warp w takes rows (w - 1) + 3 j, lane l the columns
 //                   [8 l, 8 l + 8).
 //                   Each z row comes ZD rows ahead into a slot with an mbarrier of its own: every lane copies its
@@ -37,10 +39,11 @@ namespace blz {
 
 // Arguments: MGroupedArgs (moe_args.cuh) as moe_gemm_sm90's EPI_DHCUR takes them (A = dy gathered through slot_token,
 // B = w2_e N-major, out = dz (may alias aux = z), out2 = g * hcur, part: one fp32 column a 256-column n-tile), then
-// B's tensor map: 3-D (N, Kd, E), box (64, 32, 1), 128-byte swizzle, zero fill out of bounds.
+// B's tensor map: 3-D (N, Kd, E), box (64, 64, 1), 128-byte swizzle, zero fill out of bounds; B_KMAJOR (w2_e
+// K-major, "in_out"): 4-D (Kd, N, 1, E), box (64, 128, 1, 1), moe_gemm_sm90's K-major map.
 // Launch: any grid (persistent); block = sm90::THREADS, dynamic shared memory = sm90::DhCfg<STAGES>::SMEM_BYTES.
 // Preconditions: Kd > 0; lda, ldaux, ldo, ldo2 and N multiples of 8 (16-byte rows), as for moe_gemm_sm90.
-template <typename T, int ACT, int STAGES>
+template <typename T, int ACT, int STAGES, bool B_KMAJOR = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupedArgs<T> p,
                                                                     const __grid_constant__ sm90::TmaMap tmap_b) {
   const T* __restrict__ A = p.A;
@@ -137,9 +140,15 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         if (tid == 0) {
           const unsigned bar = full0 + 8 * stage;
           sm90::mbar_arrive_expect_tx(bar, C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1));
+          if constexpr (B_KMAJOR) {
+            constexpr int HALF = BN / 2;  // rows a box
+            sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
+            if (!BLZ_PROBE_HALF_B) sm90::tma_load_4d(bs + HALF * sm90::ROW_BYTES, &tmap_b, bar, k0, n0 + HALF, 0, e);
+          } else {
 #pragma unroll
-          for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
-            sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
+            for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+              sm90::tma_load_3d(bs + a * C::B_ATOM, &tmap_b, bar, n0 + 64 * a, k0, e);
+          }
         }
         sm90::cp_async_arrive_noinc(full0 + 8 * stage);
         if (++stage == C::STAGES) {
@@ -284,8 +293,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
     const int t = tid & 127;
     float acc[BN / 2];
     const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * sm90::ROW_BYTES, 16, 1024);
-    const unsigned long long db0 = sm90::make_desc(sbase + C::A_BYTES, C::B_ATOM, 1024);
-    constexpr unsigned B_KSTEP = (16 * sm90::ROW_BYTES) >> 4;
+    const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::A_BYTES, 16, 1024)
+                                            : sm90::make_desc(sbase + C::A_BYTES, C::B_ATOM, 1024);
+    constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * sm90::ROW_BYTES) >> 4;
     int stage = 0;
     unsigned phase = 0;
     for (int li = 0;; ++li) {
@@ -295,7 +305,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       auto issue = [&](unsigned long long soff, int kt) {
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
-          sm90::Wgmma<BN, T>::template mma<1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP, (kt | ks) != 0);
+          sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
+                                                              (kt | ks) != 0);
       };
       sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
           acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
