@@ -166,8 +166,8 @@ def _gemm_name(ct, v: GemmSpec):
 def _variants(act, t=False) -> dict[str, GemmSpec]:
     """The GEMMs of one (activation, weight layout) by role; ``t``: weights stored "in_out" (w13 (E, d, R), w2 (E, h,
     d)), which flips B's major-ness of the M-grouped GEMMs and swaps the operands of the weight gradients (dw13^T =
-    x_g^T dz, dw2^T = (g hcur)^T dy_g)."""
-    return {
+    x_g^T dz, dw2^T = (g hcur)^T dy_g); "in_out" has no A_ACT second GEMM (gemm2z: act_in_operand keeps hcur)."""
+    v = {
         "gemm1": GemmSpec(MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
         "gemm2": GemmSpec(MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
         "gemm2z": GemmSpec(MODE_M, True, not t, EPI_ROWSCALE, act, False, False),  # the same from z (sm_90a: A_ACT)
@@ -180,6 +180,9 @@ def _variants(act, t=False) -> dict[str, GemmSpec]:
         "dw2s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw2 = dy_s^T (g hcur)
         "dw13s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw13 = dz^T x_s
     }
+    if t:
+        del v["gemm2z"]
+    return v
 
 
 def _module_names(ct, act, t=False):
@@ -743,7 +746,8 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_
     if z is None and h > d:
         _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream)
         return
-    fused = act_in_operand and kern.sm90 and z is not None  # (moe_forward's act_in_operand)
+    # (moe_forward's act_in_operand; the A_ACT second GEMM reads "out_in" weights: "in_out" keeps hcur)
+    fused = act_in_operand and kern.sm90 and z is not None and not kern.t
     if fused:  # z only; the second GEMM activates its A tiles (z) in registers
         _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, None, z, stream)
         a, lda = z, H2
