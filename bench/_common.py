@@ -203,6 +203,33 @@ def is_oom(exc) -> bool:
     return isinstance(exc, _oom_types()) or "out of memory" in str(exc).lower()
 
 
+def probe_args(doc: str, argv=None, *, shape: str, tokens: str, repeats: int):
+    """The arguments of a probe script (scripts/probe_*.py): --shape (bench_gemm's shapes, comma-separated), --tokens
+    (counts as parse_count reads them; ``args.token_counts`` the parsed list), --repeats, --json NAME (write
+    bench/results/NAME_<gpu>.json) and --results-dir."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--shape", default=shape, help="bench_gemm's shapes, comma-separated")
+    ap.add_argument("--tokens", default=tokens, help="token counts, comma-separated (k = 1024)")
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--json", default=None, help="write bench/results/NAME_<gpu>.json")
+    ap.add_argument("--results-dir", default=None)
+    args = ap.parse_args(argv)
+    try:
+        args.token_counts = [parse_count(t) for t in args.tokens.split(",")]
+    except ValueError as exc:
+        ap.error(f"--tokens {args.tokens!r}: {exc}")
+    return args
+
+
+def write_probe_json(args, rows: list) -> None:
+    """A probe's rows as JSON (``--json NAME``, with the GPU header), nothing without --json."""
+    if args.json:
+        path = write_json(args.json, gpu_header(), rows, pathlib.Path(args.results_dir) if args.results_dir else None)
+        print(f"wrote {path}")
+
+
 def tflops(flops: float, ms: float | None) -> float | None:
     if ms is None or not ms > 0:
         return None

@@ -9,22 +9,14 @@ Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_dga
 
 from __future__ import annotations
 
-import argparse
-import pathlib
-
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="fine,olmoe,qwen3")
-    ap.add_argument("--tokens", default="32k,128k")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--json", default=None, help="write bench/results/NAME_<gpu>.json")
-    ap.add_argument("--results-dir", default=None)
-    a = ap.parse_args(argv)
+    from bench._common import probe_args, time_calls, write_probe_json
+
+    a = probe_args(__doc__, argv, shape="fine,olmoe,qwen3", tokens="32k,128k", repeats=20)
     import cupy as cp
     import numpy as np
 
-    from bench._common import gpu_header, time_calls, write_json
     from bench.bench_gemm import SHAPES
     from blazecore import BF16, _moe_gpu
 
@@ -32,19 +24,16 @@ def main(argv=None) -> int:
     for shape in a.shape.split(","):
         d, h, E, K = SHAPES[shape]
         nparts = -(-h // _moe_gpu.BN90)
-        for tok in a.tokens.split(","):
-            L = int(tok[:-1]) * 1024 if tok.endswith("k") else int(tok)
+        for L in a.token_counts:
             fns, outs = _launches(cp, np, _moe_gpu, _moe_gpu._kernels(BF16, "swiglu"), L * K, K, nparts)
             t = time_calls(fns, warmup=3, repeats=a.repeats, clock="cupy")
             same = outs["warp"].get().tobytes() == outs["thread"].get().tobytes()
             row = {"shape": shape, "tokens": L, "pairs": L * K, "partials": nparts, "warp_ms": t["warp"].median_ms,
                    "thread_ms": t["thread"].median_ms, "same_bits": same}
             rows.append(row)
-            print(f"{shape} {tok}: {nparts} partials a slot, warp {row['warp_ms']:.4f} ms, thread "
+            print(f"{shape} {L // 1024}k: {nparts} partials a slot, warp {row['warp_ms']:.4f} ms, thread "
                   f"{row['thread_ms']:.4f} ms, same bits {same}", flush=True)
-    if a.json:
-        path = write_json(a.json, gpu_header(), rows, pathlib.Path(a.results_dir) if a.results_dir else None)
-        print(f"wrote {path}")
+    write_probe_json(a, rows)
     return 0 if all(r["same_bits"] for r in rows) else 1
 
 

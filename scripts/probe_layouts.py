@@ -10,10 +10,8 @@ Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_lay
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import pathlib
 
 RUNS = ("out_in", "in_out", "in_out_mma_sync")
 
@@ -63,24 +61,18 @@ def _rel(torch, a, b) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="olmoe,qwen3,fine")
-    ap.add_argument("--tokens", default="32k")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--json", default=None, help="write bench/results/NAME_<gpu>.json")
-    ap.add_argument("--results-dir", default=None)
-    a = ap.parse_args(argv)
+    from bench._common import probe_args, time_calls, write_probe_json
+
+    a = probe_args(__doc__, argv, shape="olmoe,qwen3,fine", tokens="32k", repeats=10)
     import blazecore_torch as ops
     import torch
 
-    from bench._common import gpu_header, time_calls, write_json
     from bench.bench_gemm import SHAPES, _problem
 
     rows, ok = [], True
     for shape in a.shape.split(","):
         d, h, E, K = SHAPES[shape]
-        for tok in a.tokens.split(","):
-            L = int(tok[:-1]) * 1024 if tok.endswith("k") else int(tok)
+        for L in a.token_counts:
             x, w13, w2, gates, ids, dy = _problem(torch, d, h, E, K, L)
             steps = _steps(torch, ops, x, w13, w2, gates, ids, dy)
             ref = steps["out_in"]()
@@ -96,13 +88,11 @@ def main(argv=None) -> int:
                    "errors_vs_out_in": errs}
             ok &= all(v < 2e-2 for e in errs.values() for v in e.values())
             rows.append(row)
-            print(f"{shape} {tok}: " + ", ".join(f"{r} {t[r].median_ms:.3f} ms" for r in RUNS)
+            print(f"{shape} {L // 1024}k: " + ", ".join(f"{r} {t[r].median_ms:.3f} ms" for r in RUNS)
                   + f"; largest error vs out_in {max(v for e in errs.values() for v in e.values()):.2e}", flush=True)
             del x, w13, w2, gates, ids, dy, steps
             torch.cuda.empty_cache()
-    if a.json:
-        path = write_json(a.json, gpu_header(), rows, pathlib.Path(a.results_dir) if a.results_dir else None)
-        print(f"wrote {path}")
+    write_probe_json(a, rows)
     return 0 if ok else 1
 
 

@@ -321,6 +321,12 @@ def test_bench_helpers(monkeypatch):
     assert common.tflops(18e12, 1000.0) == pytest.approx(18.0) and common.tflops(1.0, None) is None
     table = common.format_table([{"a": "x", "b": 1.5}, {"a": "yy", "b": None}], [("A", "a", None), ("B", "b", ".2f")])
     assert table.splitlines()[2].split() == ["x", "1.50"] and table.splitlines()[3].split() == ["yy", "-"]
+    args = common.probe_args("A probe.\n\nMore.", ["--tokens", "2k,1m", "--shape", "fine"], shape="olmoe",
+                             tokens="32k", repeats=7)
+    assert (args.shape, args.token_counts, args.repeats, args.json) == ("fine", [2048, 1 << 20], 7, None)
+    common.write_probe_json(args, [{"a": 1}])  # no --json: nothing written, no GPU header asked for
+    with pytest.raises(SystemExit):
+        common.probe_args("A probe.", ["--tokens", "2q"], shape="olmoe", tokens="32k", repeats=7)
 
 
 def test_bench_timer(monkeypatch):
