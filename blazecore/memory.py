@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import _array, _moe_gpu
-from ._moe_common import BLOCK_TOKENS, CHECKPOINTS, Sizes, activation_info, chunk_bounds
+from ._moe_common import BLOCK_TOKENS, CHECKPOINTS, Sizes, activation_info, check_weight_layout, chunk_bounds
 
 _ROUND = 512  # torch's caching allocator and CuPy's pool both round block sizes up to 512 bytes
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), _array.BF16)
@@ -100,7 +100,7 @@ def _check(L, d, h, E, K, checkpoint, activation) -> tuple:
 @lru_cache(maxsize=4096)
 def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation: str, checkpoint: str, chunks: int,
              bias: tuple, block_tokens: int, arch: str, retain: bool, round_bytes: int,
-             act_in_operand: bool = False, kernel_settings: tuple = ()) -> MemoryTrace:
+             act_in_operand: bool = False, kernel_settings: tuple = (), weight_layout: str = "out_in") -> MemoryTrace:
     """Forward + backward of the layer's GPU path with placeholders for the inputs, under a recording allocator.
     ``kernel_settings``: the environment's kernel settings (_moe_gpu.settings(), which decide e.g. whether rows are
     staged), part of the cache key."""
@@ -111,14 +111,17 @@ def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation
         return _array.Placeholder(shape, _array.storage_dtype(dt, True))
 
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
-    x, w13, w2 = inp((L, d), dtype), inp((E, R, d), dtype), inp((E, d, h), dtype)
+    t = weight_layout == "in_out"
+    x = inp((L, d), dtype)
+    w13, w2 = inp((E, d, R) if t else (E, R, d), dtype), inp((E, h, d) if t else (E, d, h), dtype)
     gates, ids, dy = inp((L, K), f32), inp((L, K), i32), inp((L, d), dtype)
     b13 = inp((E, R), dtype) if bias[0] else None
     b2 = inp((E, d), dtype) if bias[1] else None
     sz = Sizes(L, d, h, R, E, K, dtype, gated)
     with _array.dry_run(arch, round_bytes) as run:
         y, saved = _moe_gpu.layer_forward(x, w13, w2, gates, ids, b13, b2, sz, activation, checkpoint, None, None,
-                                          None, (chunks, block_tokens), act_in_operand=act_in_operand)
+                                          None, (chunks, block_tokens), weight_layout=weight_layout,
+                                          act_in_operand=act_in_operand)
         forward_peak = run.peak
         forward_events = len(run.events)
         held = run.live - run.rounded(y.nbytes)  # the dispatch and the saved pre-activations
@@ -136,23 +139,25 @@ def _dry_run(L: int, d: int, h: int, E: int, K: int, dtype: np.dtype, activation
 def moe_memory_trace(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                      checkpoint: str = "ab", chunks: int = 1, bias: tuple[bool, bool] = (False, False),
                      block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-                     round_bytes: int = _ROUND, act_in_operand: bool = False) -> MemoryTrace:
+                     round_bytes: int = _ROUND, act_in_operand: bool = False,
+                     weight_layout: str = "out_in") -> MemoryTrace:
     """:func:`moe_memory` with the allocation events behind it, sizes rounded up to ``round_bytes`` (512: the pools'
     blocks, as :func:`moe_memory`; 1: the bytes asked for, as torch's ``requested_bytes`` statistic counts them)."""
     L, d, h, E, K, _ = _check(L, d, h, E, K, checkpoint, activation)
+    check_weight_layout(weight_layout)
     dt = _dtype(dtype)
     if isinstance(round_bytes, bool) or int(round_bytes) < 1:
         raise ValueError(f"round_bytes must be an int >= 1, got {round_bytes!r}")
     chunk_bounds(L, chunks, block_tokens)  # validates chunks and block_tokens
     return _dry_run(L, d, h, E, K, dt, activation, checkpoint, int(chunks), (bool(bias[0]), bool(bias[1])),
                     int(block_tokens), "sm_90a" if sm90 else "sm_80", bool(retain), int(round_bytes),
-                    bool(act_in_operand), tuple(sorted(_moe_gpu.settings().items())))
+                    bool(act_in_operand), tuple(sorted(_moe_gpu.settings().items())), weight_layout)
 
 
 def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", activation: str = "swiglu",
                checkpoint: str = "ab", chunks: int = 1, bias: tuple[bool, bool] = (False, False),
                block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
-               act_in_operand: bool = False) -> MemoryEstimate:
+               act_in_operand: bool = False, weight_layout: str = "out_in") -> MemoryEstimate:
     """Predicted peak and held bytes of one GPU forward + backward of the layer beyond its inputs.
 
     Runs the layer's GPU path dry (see the module's docstring): no GPU, CuPy device or compiler is needed.
@@ -169,14 +174,17 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
         retain: the backward keeps the saved pre-activations (``retain=True``, e.g. the PyTorch adapter), so
             under "ab" dz takes its own buffer instead of overwriting them.
         act_in_operand: as ``moe_forward`` (with sm90 and "ab": no (L*K, h) activations in the forward).
+        weight_layout: as ``moe_forward`` ("in_out" weights stage no gathered rows for the weight gradients and keep
+            the activations under act_in_operand).
 
     Raises:
-        ValueError: an unknown policy or activation, sizes < 1 (L < 0), K > E, chunks or block_tokens < 1.
+        ValueError: an unknown policy, activation or weight layout, sizes < 1 (L < 0), K > E, chunks or
+            block_tokens < 1.
         TypeError: a dtype other than bfloat16, float16, float32.
     """
     return moe_memory_trace(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
                             bias=bias, block_tokens=block_tokens, sm90=sm90, retain=retain,
-                            act_in_operand=act_in_operand).estimate
+                            act_in_operand=act_in_operand, weight_layout=weight_layout).estimate
 
 
 def act_in_operand_lowers_peak(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16",
@@ -239,7 +247,7 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
                 checkpoint: str | None = "ab", budget=None, bias: tuple[bool, bool] = (False, False),
                 block_tokens: int = BLOCK_TOKENS, sm90: bool = True, retain: bool = False,
                 device: int | None = None, free_bytes=None, reserved: int = 0,
-                act_in_operand: bool = False) -> ChunkPlan:
+                act_in_operand: bool = False, weight_layout: str = "out_in") -> ChunkPlan:
     """The smallest chunk count whose predicted peak (:func:`moe_memory`) fits ``budget``.
 
     Args:
@@ -267,7 +275,8 @@ def plan_chunks(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", act
                 continue
             seen.add(n_run)
             est = moe_memory(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=pol, chunks=c, bias=bias,
-                             block_tokens=block_tokens, sm90=sm90, retain=retain, act_in_operand=act_in_operand)
+                             block_tokens=block_tokens, sm90=sm90, retain=retain, act_in_operand=act_in_operand,
+                             weight_layout=weight_layout)
             if est.peak_bytes <= want:
                 return ChunkPlan(c, pol, est, want, True)
             if best is None or est.peak_bytes < best[1].peak_bytes:

@@ -306,13 +306,12 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
     if isinstance(chunks, str) and chunks == "auto":
         _check_chunking(1, block_tokens)
         if gpu:
-            # the kernels' family as the call will pick it (their partial sums and carries differ a little);
-            # "in_out" weights keep hcur under act_in_operand
+            # the kernels' family as the call will pick it (their partial sums and carries differ a little)
             sm90 = _moe_gpu.wgmma_asked(gemm_path) and _compile.device_arch(x.device.id) == "sm_90a"
             chunks = plan_chunks(sz.L, sz.d, sz.h, sz.E, sz.K, dtype=sz.dtype, activation=activation,
                                  checkpoint=checkpoint, budget=memory_budget, bias=(b13 is not None, b2 is not None),
                                  block_tokens=block_tokens, device=x.device.id, sm90=sm90,
-                                 act_in_operand=act_in_operand and weight_layout != "in_out").chunks
+                                 act_in_operand=act_in_operand, weight_layout=weight_layout).chunks
         else:
             chunks = 1
     _check_chunking(chunks, block_tokens)
