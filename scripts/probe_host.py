@@ -23,10 +23,6 @@ import sys
 import time
 
 
-def _parse(tok: str) -> int:
-    return int(tok[:-1]) * 1024 if tok.endswith("k") else int(tok)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="olmoe", help="one shape of bench_gemm, or several, comma-separated")
@@ -78,7 +74,9 @@ def _host_ms(torch, step, steps: int) -> float:
 
 
 def _measure(torch, ops, shape_step, shape: str, tok: str, a) -> dict:
-    L = _parse(tok)
+    from bench._common import parse_count
+
+    L = parse_count(tok)
     step = shape_step(torch, ops, shape, L)
     host_rounds = [_host_ms(torch, step, a.steps) for _ in range(a.repeats)]
     host = statistics.median(host_rounds)
