@@ -203,13 +203,15 @@ def is_oom(exc) -> bool:
     return isinstance(exc, _oom_types()) or "out of memory" in str(exc).lower()
 
 
-def probe_args(doc: str, argv=None, *, shape: str, tokens: str, repeats: int):
+def probe_args(doc: str, argv=None, *, shape: str, tokens: str, repeats: int, extra=()):
     """The arguments of a probe script (scripts/probe_*.py): --shape (bench_gemm's shapes, comma-separated), --tokens
     (counts as parse_count reads them; ``args.token_counts`` the parsed list), --repeats, --json NAME (write
-    bench/results/NAME_<gpu>.json) and --results-dir."""
+    bench/results/NAME_<gpu>.json) and --results-dir; ``extra``: the script's own, (flag, add_argument keywords)."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
     ap.add_argument("--shape", default=shape, help="bench_gemm's shapes, comma-separated")
     ap.add_argument("--tokens", default=tokens, help="token counts, comma-separated (k = 1024)")
     ap.add_argument("--repeats", type=int, default=repeats)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _array, _compile, _moe_args, _tma
+from . import _array, _compile, _moe_args, _tma, _validate
 from ._array import BF16, logical_dtype
 from ._moe_common import (
     MoEGrads,
@@ -166,7 +166,8 @@ def _gemm_name(ct, v: GemmSpec):
 def _variants(act, t=False) -> dict[str, GemmSpec]:
     """The GEMMs of one (activation, weight layout) by role; ``t``: weights stored "in_out" (w13 (E, d, R), w2 (E, h,
     d)), which flips B's major-ness of the M-grouped GEMMs and swaps the operands of the weight gradients (dw13^T =
-    x_g^T dz, dw2^T = (g hcur)^T dy_g); "in_out" has no A_ACT second GEMM (gemm2z: act_in_operand keeps hcur)."""
+    x_g^T dz, dw2^T = (g hcur)^T dy_g); "in_out" and interleaved gate/up rows have no A_ACT second GEMM (gemm2z:
+    act_in_operand keeps hcur)."""
     v = {
         "gemm1": GemmSpec(MODE_M, True, not t, EPI_ACT, act, True, False),  # z = x_g w13^T, act in epilogue
         "gemm2": GemmSpec(MODE_M, True, not t, EPI_ROWSCALE, 0, False, False),  # o = g (hcur w2^T + b2)
@@ -180,7 +181,7 @@ def _variants(act, t=False) -> dict[str, GemmSpec]:
         "dw2s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw2 = dy_s^T (g hcur)
         "dw13s": GemmSpec(MODE_K, False, False, EPI_WGRAD, 0, False, False),  # dw13 = dz^T x_s
     }
-    if t:
+    if t or act & ACT_INTERLEAVED:
         del v["gemm2z"]
     return v
 
@@ -266,9 +267,9 @@ def _dh90_name(ct, act, t=False):
 
 
 def _dh_names90(ct):
-    """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation and weight layout): one
-    module of _FILE_DH90."""
-    return tuple(_dh90_name(ct, a, t) for a in _ACT_IDS.values() for t in (False, True))
+    """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation, each gated one also
+    interleaved, and weight layout): one module of _FILE_DH90."""
+    return tuple(_dh90_name(ct, a, t) for a in _act_codes() for t in (False, True))
 
 
 def _smem_dh90(stages=STAGES_DH90):
@@ -333,17 +334,18 @@ def _persistent_cluster_grid(fn, kv, grid, cluster):
     return int(grid) if n <= 0 else cluster * max(1, min(int(grid) // cluster, n))
 
 
+def _act_codes():
+    """Every Act id the kernels take: each activation, and each gated one interleaved."""
+    return [*_ACT_IDS.values(), *(_ACT_IDS[a] | ACT_INTERLEAVED for a in sorted(_GATED))]
+
+
 _compile.register_kernels(
-    _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _ACT_IDS.values() for t in (False, True)
+    _FILE90, [n for ct in ("__nv_bfloat16", "__half") for a in _act_codes() for t in (False, True)
               for n in _module_names90(ct, a, t)]
 )
 _compile.register_kernels(_FILE_WGRAD90, [n for ct in ("__nv_bfloat16", "__half") for n in _wgrad_names90(ct)])
 _compile.register_kernels(_FILE_DH90, [n for ct in ("__nv_bfloat16", "__half") for n in _dh_names90(ct)])
 _compile.register_kernels(_FILE_HELPERS, list(dict.fromkeys(n for ct in _CTYPES.values() for n in _helper_names(ct))))
-def _act_codes():
-    """Every Act id the mma.sync kernels take: each activation, and each gated one interleaved."""
-    return [*_ACT_IDS.values(), *(_ACT_IDS[a] | ACT_INTERLEAVED for a in sorted(_GATED))]
-
 
 _compile.register_kernels(
     _FILE, list(dict.fromkeys(n for ct in _CTYPES.values() for a in _act_codes() for t in (False, True)
@@ -385,13 +387,12 @@ class _Kernels:
         self.dhcur = st["dhcur"]
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
-        # arguments) (the wgmma kernels read [gate; up] weights, "out_in" or "in_out"; interleaved pairs run mma.sync)
+        # arguments) (the wgmma kernels read every weight layout: "out_in" or "in_out", [gate; up] or interleaved rows)
         if path is None and _array.dry() is not None:
             wgmma = True  # a dry run follows its own arch only
         else:
             wgmma = wgmma_asked(path)
-        self.sm90 = self.itemsize == 2 and not self.interleaved and \
-            _compile.device_arch() == "sm_90a" and wgmma
+        self.sm90 = self.itemsize == 2 and _compile.device_arch() == "sm_90a" and wgmma
         self._memo: dict = {}  # variant / gemm / fn lookups by their arguments
 
     def fn(self, name):
@@ -516,7 +517,7 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
     es = kern.itemsize
-    halves = 2 if _STAGED.get(which, which) == "gemm1" and kern.gated else 1
+    halves = 2 if _STAGED.get(which, which) == "gemm1" and kern.gated and not kern.interleaved else 1
     if kern.variants[which].b_kmajor:
         return _tma.tiled_map(B.data.ptr, dt, (Kd, N, halves, E), (ldb * es, (up or N) * ldb * es, b_estride * es),
                               (64, BN90 // 2, 1, 1))
@@ -598,9 +599,10 @@ def _launch_m(kern, which, grid, stream, *, A, lda, B, ldb, b_estride, disp, til
         amap = _rows_map(kern, A, lda, Kd, BM) if which in _A_TMA else None
         if which in _A_TMA and amap is None:
             b_load = "cp_async"  # the A_TMA kernels take B by TMA too: both by cp.async
-        # gemm1: B's up half ``up`` rows after the gate rows (0: N)
-        bmap = _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up if _STAGED.get(which, which) == "gemm1" else 0) \
-            if b_load is None else _tma.null_map()
+        # gemm1: B's up half ``up`` rows after the gate rows (0: N); interleaved gate/up rows: one part of 2 N rows
+        g1 = _STAGED.get(which, which) == "gemm1"
+        bmap = _b_map(kern, which, B, ldb, b_estride, E, 2 * N if g1 and kern.interleaved else N, Kd,
+                      up if g1 else 0) if b_load is None else _tma.null_map()
         # EPI_ROWSCALE (gemm2, gemm2z, dx): out by TMA stores, box (64, 16), where out can go so
         omap = _out_map(kern, _STAGED.get(which, which), out, ldo, N)
         extra = (bmap, _tma.null_map() if amap is None else amap, omap)  # the kernel's tmap_b, tmap_a, tmap_o
@@ -684,6 +686,16 @@ def check_shapes(x, w2):
         raise ValueError(f"the GPU kernels need d and h to be multiples of 8 (16-byte rows); got d={d}, h={h}")
 
 
+def check_aligned(rows: dict, pairs: dict) -> None:
+    """GPU-path constraints on where operands start: ``rows`` (the matrices the kernels copy 16 bytes at a time and
+    read by tensor maps) on a 16-byte boundary, ``pairs`` (the biases, read two elements at a time) on a boundary of
+    two elements."""
+    _validate.check_aligned(rows, 16)
+    for name, b in pairs.items():
+        if b is not None:
+            _validate.check_aligned({name: b}, 2 * b.dtype.itemsize)
+
+
 def _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, hbuf, zbuf, stream, c0=0, w=None):
     """hcur (into hbuf, (L*K, h)) and / or z (into zbuf, (L*K, H2)); with ``w``, only the columns [c0, c0 + w) of h:
     zbuf is then (L*K, w * (2 if gated else 1)) in z's column order (gate then up, or interleaved pairs)."""
@@ -746,8 +758,8 @@ def _forward_chunk(kern, x, w13, w2, gates, disp, b13, b2, y, z, stream, act_in_
     if z is None and h > d:
         _forward_h_sliced(kern, x, w13, w2, gates, disp, tile_offsets, b13, b2, y, stream)
         return
-    # (moe_forward's act_in_operand; the A_ACT second GEMM reads "out_in" weights: "in_out" keeps hcur)
-    fused = act_in_operand and kern.sm90 and z is not None and not kern.t
+    # (moe_forward's act_in_operand; the A_ACT second GEMM reads "out_in" [gate; up] weights: the others keep hcur)
+    fused = act_in_operand and kern.sm90 and z is not None and "gemm2z" in kern.variants
     if fused:  # z only; the second GEMM activates its A tiles (z) in registers
         _gemm1(kern, x, w13, b13, disp, tile_offsets, E, LK, h, None, z, stream)
         a, lda = z, H2
@@ -1186,6 +1198,7 @@ def layer_forward(x, w13, w2, gates, ids, b13, b2, sz: Sizes, activation, checkp
         check_gpu_device({"out": y.view}, dev)
         if _array.dry() is None:  # the model sizes any shape; moe_forward refuses those the kernels cannot run
             check_shapes(x, w2)  # the kernels' own limits (row alignment)
+            check_aligned({"x": x, "w13": w13, "w2": w2, "out": y.view}, {"b13": b13, "b2": b2})
         bounds = chunk_bounds(sz.L, *chunking)
         if dispatch is not None:
             check_dispatch(dispatch, sz.L, sz.K, sz.E, True, dev)
@@ -1217,6 +1230,8 @@ def layer_backward(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, s
     with s:
         outs = grad_outs(saved, True, out_dx, out_dw13, out_dw2, out_dgates)
         dx, dw13, dw2, dgates, db13, db2 = outs
+        if _array.dry() is None:
+            check_aligned({"dy": dy, "out_dx": dx.view, "out_dw13": dw13.view, "out_dw2": dw2.view}, {})
         if int(saved.x.shape[0]) == 0:
             # no slot: weight gradients are zero, dx and dgates are empty
             for o in (dw13, dw2, db13, db2):

@@ -47,6 +47,19 @@ def check_array(arr, name: str, dtypes, shape: tuple) -> None:
     check_contiguous(arr, name)
 
 
+def check_aligned(arrays: dict, nbytes: int) -> None:
+    """Each GPU array of ``{name: array or None}`` starts on an ``nbytes`` boundary (the kernels' 16-byte row copies
+    and the tensor maps need it; a view that starts a few elements into a buffer does not), else ValueError naming
+    it. Empty arrays are not read."""
+    for name, a in arrays.items():
+        if a is None or not is_gpu(a) or a.size == 0:
+            continue
+        off = int(a.data.ptr) % nbytes
+        if off:
+            raise ValueError(f"{name}: the GPU kernels need its data to start on a boundary of {nbytes} bytes; it "
+                             f"starts {off} bytes past one (a view into a larger buffer?): pass a fresh copy")
+
+
 def same_device(arrays: dict) -> bool:
     """True if all arrays are on the GPU (same device), False if all on the CPU; else ValueError."""
     kinds = {name: is_gpu(a) for name, a in arrays.items()}

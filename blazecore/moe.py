@@ -263,19 +263,19 @@ def moe_forward(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", ch
         weight_layout: "out_in" (default): w13 (E, R, d) and w2 (E, d, h), (out, in) per expert like nn.Linear;
             "in_out": the transposes, w13 (E, d, R) and w2 (E, h, d), read as stored (no copy); the backward's
             dw13 and dw2 then come in that layout too. On Hopper both layouts run the wgmma kernels (16-bit
-            types); interleaved activations run on the mma.sync kernels.
+            types), with [gate; up] or interleaved rows alike.
         act_in_operand: checkpoint "ab" on the sm_90a kernels: the second GEMM reads the saved pre-activations z
             and applies the activation to its operand tiles in registers, so the forward never holds the
             (L*K, h) activations (its peak is y, z and the per-slot output rows). The same bits of y; slower,
             because the activation is recomputed for every 256 output columns (a few percent of the layer on
-            wide d). Ignored elsewhere (and with "in_out" weights). For callers whose buffers all live through
-            the whole call (JAX: XLA allocates a computation's outputs before it starts), where the forward's
-            transients add to the backward's.
+            wide d). Ignored elsewhere (and with "in_out" weights or interleaved rows). For callers whose
+            buffers all live through the whole call (JAX: XLA allocates a computation's outputs before it starts),
+            where the forward's transients add to the backward's.
         gemm_path: the expert GEMMs' kernels on the GPU, one of ``blazecore.GEMM_PATHS``: "wgmma" (the sm_90a
-            kernels, for bf16 / fp16 on Hopper unless gate and up rows are interleaved; other cases fall back to
-            mma.sync) or "mma_sync" (the portable kernels). None (default): "wgmma" unless the environment sets
-            BLAZECORE_SM90=0. The backward of this forward uses the same path. The two paths agree to rounding,
-            not bit for bit. Ignored on the CPU.
+            kernels, for bf16 / fp16 on Hopper; other cases fall back to mma.sync) or "mma_sync" (the portable
+            kernels). None (default): "wgmma" unless the environment sets BLAZECORE_SM90=0. The backward of
+            this forward uses the same path. The two paths agree to rounding, not bit for bit. Ignored on the
+            CPU.
 
     Returns:
         (y, saved): y (L, d) in x's dtype (``out`` if given, else from the pluggable allocator);

@@ -14,6 +14,7 @@ Cases (``--case NAME``, repeatable; default all; ``--list`` names them):
   moe_mma   the same with BLAZECORE_SM90=0 (the mma.sync kernels; fp32 always takes them)
   moe_chunk the layer in 3 token chunks (small block_tokens), both paths
   moe_layouts the layer on "in_out" weights and interleaved gate/up rows (mma.sync kernels)
+  moe_layouts_sm90 the same on the sm_90a kernels (bf16), dh' in both epilogue forms
   moe_zsliced checkpoint "none" with h > d (the backward per column slice of h), unchunked and in chunks
   finite    the check_finite reductions (fp32 and the bf16 bit-pattern kernel)
 
@@ -244,6 +245,21 @@ def moe_layouts():
     for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):
         _layer(False, (BF16, np.float32), shapes=[SHAPES[0], SHAPES[4]],
                activations=("swiglu_oai",) if interleaved else ("gelu",), layout=layout, interleaved=interleaved)
+
+
+@case
+def moe_layouts_sm90():
+    # the same on the sm_90a kernels: interleaved gate/up rows' gemm1 and dh' epilogues, "in_out" B loads; dh' on the
+    # producer-epilogue kernel (the default) and fused into the GEMM
+    for dh in ("overlap", "fused"):
+        os.environ["BLAZECORE_SM90_DHCUR"] = dh
+        try:
+            for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):
+                _layer(True, (BF16,), shapes=[SHAPES[0], SHAPES[4]],
+                       activations=("swiglu_oai",) if interleaved else ("gelu",), layout=layout,
+                       interleaved=interleaved)
+        finally:
+            os.environ.pop("BLAZECORE_SM90_DHCUR")
 
 
 @case

@@ -325,6 +325,9 @@ def test_bench_helpers(monkeypatch):
                              tokens="32k", repeats=7)
     assert (args.shape, args.token_counts, args.repeats, args.json) == ("fine", [2048, 1 << 20], 7, None)
     common.write_probe_json(args, [{"a": 1}])  # no --json: nothing written, no GPU header asked for
+    args = common.probe_args("A probe.", ["--interleaved"], shape="olmoe", tokens="32k", repeats=7,
+                             extra=(("--interleaved", {"action": "store_true"}), ("--activation", {"default": "gelu"})))
+    assert (args.interleaved, args.activation, args.token_counts) == (True, "gelu", [32768])
     with pytest.raises(SystemExit):
         common.probe_args("A probe.", ["--tokens", "2q"], shape="olmoe", tokens="32k", repeats=7)
 

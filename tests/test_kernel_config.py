@@ -196,8 +196,7 @@ def test_in_out_weights_take_the_wgmma_kernels_on_sm90():
     """On sm_90a, 16-bit "in_out" weights (E, d, 2h) / (E, h, d) run the wgmma kernels with B of the other
     major-ness in every M-grouped GEMM (dh' on the producer-epilogue kernel with a K-major B), and the weight
     gradients' tiles stored the other way round (dw13 as computed, dw2 transposed), each a kernel that the compile
-    check builds (no A_ACT second GEMM: "in_out" keeps hcur under act_in_operand); interleaved gate/up rows and fp32
-    keep the mma.sync kernels."""
+    check builds (no A_ACT second GEMM: "in_out" keeps hcur under act_in_operand); fp32 keeps the mma.sync kernels."""
     with _array.dry_run("sm_90a"):
         t = _moe_gpu._Kernels(blazecore.BF16, "swiglu", weight_layout="in_out")
         o = _moe_gpu._Kernels(blazecore.BF16, "swiglu")
@@ -217,11 +216,41 @@ def test_in_out_weights_take_the_wgmma_kernels_on_sm90():
             assert kv.name == _moe_gpu._wgrad90_name(t.ct, True, False, out_t=out_t, b_tma=t.b_load == "tma")
             assert ko.name == _moe_gpu._wgrad90_name(o.ct, True, False, out_t=not out_t, b_tma=o.b_load == "tma")
             assert _moe_gpu._wgrad_out_t(which, True) == out_t != _moe_gpu._wgrad_out_t(which, False)
-        assert not _moe_gpu._Kernels(blazecore.BF16, "swiglu_interleaved", weight_layout="in_out").sm90
         assert not _moe_gpu._Kernels(np.float32, "swiglu", weight_layout="in_out").sm90
         # the weight-gradient grids of the chunk carry follow the tiles the sm_90a kernels compute
         g13, g2 = _moe_gpu.wgrad_grids(True, True, 4, 300, 200, 400)
         assert (g13, g2) == _moe_gpu.wgrad_grids(True, False, 4, 300, 200, 400)
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_interleaved_rows_take_the_wgmma_kernels_on_sm90(layout):
+    """On sm_90a, 16-bit interleaved gate/up rows run the wgmma kernels: gemm1 and dh' (both forms) are the [gate; up]
+    kernels' instantiations for the interleaved Act id (ACT_INTERLEAVED or'ed in), registered, so the compile check
+    builds them; B's tensor map of gemm1 is the plain one (a tile of consecutive rows or columns, no halves); the GEMMs
+    without an activation are the [gate; up] layer's own kernels; there is no A_ACT second GEMM (act_in_operand keeps
+    hcur). The mma.sync path stays for path="mma_sync" and fp32."""
+    with _array.dry_run("sm_90a"):
+        il = _moe_gpu._Kernels(blazecore.BF16, "swiglu_oai_interleaved", weight_layout=layout)
+        gu = _moe_gpu._Kernels(blazecore.BF16, "swiglu_oai", weight_layout=layout)
+        assert il.sm90 and il.interleaved and il.gated
+        registered = {n for f in (_moe_gpu._FILE90, _moe_gpu._FILE_WGRAD90, _moe_gpu._FILE_DH90)
+                      for n in _compile.KERNELS[f]}
+        act = _moe_gpu._ACT_IDS["swiglu_oai"] | _moe_gpu.ACT_INTERLEAVED
+        for which in ("gemm1", "gemm1s", "gemm2", "dx", "dw13", "dw2", "dhcur"):
+            for b_load in _moe_gpu.B_LOADS:
+                kv, kg = il.variant(which, b_load=b_load), gu.variant(which, b_load=b_load)
+                assert kv.name in registered and kv.name in il.module_names(kv), (which, b_load)
+                assert (kv.name == kg.name) == (which in ("gemm2", "dx", "dw13", "dw2")), (which, b_load)
+                assert (kv.file, kv.smem, kv.stages) == (kg.file, kg.smem, kg.stages), (which, b_load)
+                if kv.name != kg.name:
+                    assert f", {act}," in kv.name, kv.name
+        assert il.variant("dhcur").file == _moe_gpu._FILE_DH90
+        assert "gemm2z" not in il.variants and ("gemm2z" in gu.variants) == (layout == "out_in")
+        assert not _moe_gpu._Kernels(blazecore.BF16, "swiglu_interleaved", weight_layout=layout, path="mma_sync").sm90
+        assert not _moe_gpu._Kernels(np.float32, "swiglu_interleaved", weight_layout=layout).sm90
+        # the weight-gradient grids of the chunk carry: one dw13 launch over z's 2h columns either way
+        assert _moe_gpu.wgrad_grids(True, layout == "in_out", 4, 300, 200, 400) == \
+            _moe_gpu.wgrad_grids(True, layout == "in_out", 4, 300, 200, 400, None, True)
 
 
 def test_layer_calls_share_their_kernel_lookups_until_a_setting_changes(monkeypatch):

@@ -73,6 +73,16 @@ def _bits(a) -> bytes:
     return np.ascontiguousarray(to_numpy(a)).tobytes()
 
 
+def _misaligned(a: np.ndarray, backend: str) -> Exact:
+    """The same values, C-contiguous, starting one element past the start of a GPU buffer (4 bytes for float32)."""
+    import cupy
+
+    buf = cupy.empty(a.size + 1, a.dtype)
+    v = buf[1:].reshape(a.shape)
+    v[...] = cupy.asarray(a)
+    return Exact(v)
+
+
 def _noncontig(a: np.ndarray, backend: str) -> Exact:
     """The same values as a non-C-contiguous view (every other element of a wider last axis)."""
     return Exact(to_backend(np.repeat(a, 2, axis=-1), backend)[..., ::2])
@@ -463,6 +473,12 @@ ROWS = [
         "the GPU kernels need d and h to be multiples of 8", GPU,
         fwd(x=lambda i, b: i["x"][:, :12], w13=lambda i, b: i["w13"][:, :, :12], w2=lambda i, b: i["w2"][:, :12],
             b2=lambda i, b: i["b2"][:, :12])),
+    Row("moe_forward.w13_misaligned", "moe_forward", "w13 starting 4 bytes past a 16-byte boundary (GPU kernels)",
+        ValueError, "w13: the GPU kernels need its data to start on a boundary of 16 bytes", GPU,
+        fwd(w13=lambda i, b: _misaligned(i["w13"], b))),
+    Row("moe_forward.b13_misaligned", "moe_forward", "b13 (float32) starting 4 bytes past an 8-byte boundary",
+        ValueError, "b13: the GPU kernels need its data to start on a boundary of 8 bytes", GPU,
+        fwd(b13=lambda i, b: _misaligned(i["b13"], b))),
     Row("moe_forward.x_on_cpu", "moe_forward", "x on the CPU, the rest on the GPU", ValueError,
         "inputs must all be on the same device", GPU, fwd(x=lambda i, b: Exact(i["x"]))),
     Row("moe_forward.dispatch_on_cpu", "moe_forward", "a CPU dispatch with GPU inputs", ValueError,
@@ -482,6 +498,12 @@ ROWS = [
         BOTH, bwd(dy=lambda i, b: _noncontig(i["dy"], b))),
     Row("moe_backward.dy_not_an_array", "moe_backward", "dy an object", TypeError, "dy: expected a DLPack array",
         BOTH, bwd(dy=lambda i, b: Exact(object()))),
+    Row("moe_backward.dy_misaligned", "moe_backward", "dy starting 4 bytes past a 16-byte boundary", ValueError,
+        "dy: the GPU kernels need its data to start on a boundary of 16 bytes", GPU,
+        bwd(dy=lambda i, b: _misaligned(i["dy"], b))),
+    Row("moe_backward.out_dx_misaligned", "moe_backward", "out_dx starting 4 bytes past a 16-byte boundary",
+        ValueError, "out_dx: the GPU kernels need its data to start on a boundary of 16 bytes", GPU,
+        bwd(out_dx=lambda i, b: _misaligned(_sentinel((L_, d_), F32, "cpu"), b))),
     Row("moe_backward.saved_type", "moe_backward", "saved not a MoESaved", TypeError,
         "saved: expected the MoESaved returned by moe_forward", BOTH, bwd(saved=lambda i, b, s: (s.x, s.w13))),
     Row("moe_backward.out_dx_shape", "moe_backward", "out_dx of the wrong shape", ValueError,

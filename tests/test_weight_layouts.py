@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_close, backends, to_numpy
 from test_moe import CASES, DTYPES, GRAD_KEYS, TOL, _bytes, _inputs, _on, _reference
 
-from blazecore import moe
+from blazecore import BF16, _moe_gpu, moe
 
 # (activation, interleaved, weight layout)
 CONFIGS = [
@@ -239,3 +239,49 @@ def test_in_out_sm90_forms_bit_identical_gpu(base, monkeypatch):
         for var in ("BLAZECORE_SM90_DHCUR", "BLAZECORE_SM90_B_LOAD", "BLAZECORE_STAGE_ROWS"):
             monkeypatch.delenv(var)
         same_bits(run("default", checkpoint), run("default", checkpoint), f"default {checkpoint} rerun")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ["tiles", "wide_h"])
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+@pytest.mark.parametrize("base", ["swiglu", "swiglu_oai", "geglu"])
+def test_interleaved_matches_the_gate_up_order_gpu(base, layout, case_name, monkeypatch):
+    """Interleaved gate/up rows on each form of the kernels (weights by TMA or by cp.async, the gathered rows staged
+    or not, dh' on the producer-epilogue kernel or fused into the GEMM), both policies: the layer matches the
+    reference, and on the sm_90a kernels it has the bits of the [gate; up] layer on the same weights in y, dgates,
+    dw2, db2 and (permuted back) dw13 and db13: each of those elements is the same sum in the same order. (dx sums
+    over z's columns, whose order differs, so only its closeness is asked.)"""
+    case = next(c for c in CASES if c.name == case_name)
+    inp = _inputs(case, "bf16", base, True)
+    rtol = TOL[DTYPES["bf16"]]
+    p = _perm(case.h)
+    gate_up, inter = _on(_store(inp, False, layout), "gpu"), _on(_store(inp, True, layout), "gpu")
+    y_ref, g_ref = _expected(inp, base, True, layout, "gpu")
+    axis = 2 if layout == "in_out" else 1  # w13's 2h axis
+    sm90 = _moe_gpu._Kernels(BF16, base + "_interleaved", weight_layout=layout).sm90
+
+    def unperm(a, ax):
+        return np.ascontiguousarray(np.take(to_numpy(a), p, axis=ax)).tobytes()
+
+    forms = [{}, {"BLAZECORE_SM90_DHCUR": "fused"}, {"BLAZECORE_SM90_B_LOAD": "cp_async"},
+             {"BLAZECORE_STAGE_ROWS": "always"}, {"BLAZECORE_STAGE_ROWS": "never"}]
+    for checkpoint in ("ab", "none"):
+        for env in forms:
+            label = f"{checkpoint} {env or 'default'}"
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            y, _, g = _run(inter, base + "_interleaved", layout, checkpoint)
+            y_gu, _, g_gu = _run(gate_up, base, layout, checkpoint)
+            for k in env:
+                monkeypatch.delenv(k)
+            assert_close(y, y_ref, rtol, f"{label} y")
+            for key in GRAD_KEYS:
+                assert_close(getattr(g, key), g_ref[key], rtol, f"{label} {key}")
+            if not sm90:
+                continue
+            assert _bytes(y) == _bytes(y_gu), f"{label} y bits"
+            for key in ("dgates", "dw2", "db2"):
+                assert _bytes(getattr(g, key)) == _bytes(getattr(g_gu, key)), f"{label} {key} bits"
+            assert _bytes(g.dw13) == unperm(g_gu.dw13, axis), f"{label} dw13 bits"
+            assert _bytes(g.db13) == unperm(g_gu.db13, 1), f"{label} db13 bits"
+            assert_close(g.dx, np.asarray(to_numpy(g_gu.dx), np.float64), rtol, f"{label} dx vs [gate; up]")

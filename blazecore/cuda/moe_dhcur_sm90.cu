@@ -29,6 +29,8 @@
 //                   mainloop each waits until the producer has read the previous tile's dh' ("dh-empty"), writes its
 //                   fragment as T pairs (row R at R * 512 bytes, 16-byte chunk c at c ^ (R % 8): conflict-free for the
 //                   fragment's 4-byte writes and the producer's 16-byte row reads) and arrives on "dh-full".
+// Interleaved gate/up (ACT_INTERLEAVED or'ed into ACT_ID): z's and dz's columns 2 n, 2 n + 1 are the gate and up of h
+// column n, so a lane's 8 columns of h are 32 contiguous bytes of z (its two chunks) and of dz.
 // dh' is rounded to T before the activation backward (as an unfused dh' GEMM would store it); z, dz and g * hcur are
 // T. Every element is computed by one thread in a fixed order, so the results are the same run to run.
 //
@@ -43,7 +45,7 @@ namespace blz {
 // K-major, "in_out"): 4-D (Kd, N, 1, E), box (64, 128, 1, 1), moe_gemm_sm90's K-major map.
 // Launch: any grid (persistent); block = sm90::THREADS, dynamic shared memory = sm90::DhCfg<STAGES>::SMEM_BYTES.
 // Preconditions: Kd > 0; lda, ldaux, ldo, ldo2 and N multiples of 8 (16-byte rows), as for moe_gemm_sm90.
-template <typename T, int ACT, int STAGES, bool B_KMAJOR = false>
+template <typename T, int ACT_ID, int STAGES, bool B_KMAJOR = false>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupedArgs<T> p,
                                                                     const __grid_constant__ sm90::TmaMap tmap_b) {
   const T* __restrict__ A = p.A;
@@ -60,6 +62,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   const int num_experts = p.num_experts, N = p.N, Kd = p.Kd, topk = p.topk, part_ld = p.part_ld;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
+  constexpr int ACT = act_base(ACT_ID);
+  constexpr bool IL = act_interleaved(ACT_ID);  // interleaved gate/up pairs (see the header)
+  static_assert(!IL || act_gated(ACT), "interleaved: a gated activation");
   using C = sm90::DhCfg<STAGES>;
   constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, ZD = C::ZD, EPC = 8;
   constexpr bool G2 = act_gated(ACT);
@@ -181,8 +186,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       const int nj = min(EJ, max(0, (min(BM, m_end - m0) - w + EW - 1) / EW));  // this warp's rows in the expert
       const int nc = n0 + EPC * lane;
       const bool cok = nc < N;  // the slot holds no z past N (dh' is 0 there)
-      // the lane's chunk of the next z row to fetch (the rows come in order, EW apart)
-      const T* zf = aux + (long long)(m0 + w) * ldaux + nc;
+      // the lane's chunk of the next z row to fetch (the rows come in order, EW apart); interleaved: its two chunks
+      // from 2 nc
+      const long long zc = IL ? 2LL * nc : nc;
+      const T* zf = aux + (long long)(m0 + w) * ldaux + zc;
       const long long zf_step = (long long)EW * ldaux;
       auto fetch = [&]() {
         // each lane copies its own two chunks, which only it reads: its last reads of them are in registers already
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         const unsigned dst = zw + slot * C::Z_SLOT + lane * 16;
         if (cok) {
           sm90::cp_async16_plain(dst, zf);
-          if constexpr (G2) sm90::cp_async16_plain(dst + C::DH_ROW, zf + zup);
+          if constexpr (G2) sm90::cp_async16_plain(dst + C::DH_ROW, IL ? zf + EPC : zf + zup);
         }
         sm90::cp_async_arrive_noinc(zbar0 + 8 * (w * ZD + slot));
         zf += zf_step;
@@ -207,7 +214,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       // and dgates butterflies side by side, so the rows' dependent chains overlap. dz_row / hg_row: the lane's
       // columns of the step's first row in dz and g * hcur, advanced by EW rows a row.
       const long long dz_step = (long long)EW * ldo, hg_step = (long long)EW * ldo2;
-      T* dz_row = out + (long long)(m0 + w) * ldo + nc;
+      T* dz_row = out + (long long)(m0 + w) * ldo + zc;
       T* hg_row = out2 + (long long)(m0 + w) * ldo2 + nc;
       auto step = [&](int j, auto rows) {
         constexpr int R = decltype(rows)::value;
@@ -234,13 +241,26 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           ps[q] = 0.f;
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
-            const float2 a = sm90::unpack2<T>(aw[u]), b = G2 ? sm90::unpack2<T>(bw[u]) : make_float2(0.f, 0.f);
             const float2 d = sm90::unpack2<T>(dw[u]);
-            const DhcurPair o = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d.x, d.y, gs);
-            da[q][u] = sm90::pack2<T>(o.da0, o.da1);
-            db[q][u] = sm90::pack2<T>(o.db0, o.db1);
-            hg[q][u] = sm90::pack2<T>(o.hg0, o.hg1);
-            ps[q] += o.p;
+            if constexpr (IL) {
+              // columns 2 u, 2 u + 1: words 2 u, 2 u + 1 of the lane's 8 ([gate, up] each); dz's words alike, the
+              // first four in da, the others in db
+              const unsigned w0 = u < 2 ? aw[2 * u] : bw[2 * u - 4], w1 = u < 2 ? aw[2 * u + 1] : bw[2 * u - 3];
+              const float2 p0 = sm90::unpack2<T>(w0), p1 = sm90::unpack2<T>(w1);
+              const DhcurPair o = dhcur_math<ACT>(p0.x, p1.x, p0.y, p1.y, d.x, d.y, gs);
+              unsigned* dzw = u < 2 ? &da[q][2 * u] : &db[q][2 * u - 4];
+              dzw[0] = sm90::pack2<T>(o.da0, o.db0);
+              dzw[1] = sm90::pack2<T>(o.da1, o.db1);
+              hg[q][u] = sm90::pack2<T>(o.hg0, o.hg1);
+              ps[q] += o.p;
+            } else {
+              const float2 a = sm90::unpack2<T>(aw[u]), b = G2 ? sm90::unpack2<T>(bw[u]) : make_float2(0.f, 0.f);
+              const DhcurPair o = dhcur_math<ACT>(a.x, a.y, b.x, b.y, d.x, d.y, gs);
+              da[q][u] = sm90::pack2<T>(o.da0, o.da1);
+              db[q][u] = sm90::pack2<T>(o.db0, o.db1);
+              hg[q][u] = sm90::pack2<T>(o.hg0, o.hg1);
+              ps[q] += o.p;
+            }
           }
         }
         // the step's z values are in registers: refill its slots before the stores
@@ -253,7 +273,8 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           for (int q = 0; q < R; ++q) {
             T* dzr = dz_row + q * dz_step;
             *reinterpret_cast<uint4*>(dzr) = make_uint4(da[q][0], da[q][1], da[q][2], da[q][3]);
-            if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = make_uint4(db[q][0], db[q][1], db[q][2], db[q][3]);
+            if constexpr (G2)
+              *reinterpret_cast<uint4*>(IL ? dzr + EPC : dzr + zup) = make_uint4(db[q][0], db[q][1], db[q][2], db[q][3]);
             *reinterpret_cast<uint4*>(hg_row + q * hg_step) = make_uint4(hg[q][0], hg[q][1], hg[q][2], hg[q][3]);
           }
         }

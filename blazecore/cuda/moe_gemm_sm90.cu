@@ -39,6 +39,11 @@
 // Gated first GEMM (EPI_ACT with SWIGLU/GEGLU): B rows [0, BN/2) are gate rows n0 + [0, BN/2) and
 // rows [BN/2, BN) the matching up rows N + n0 + [0, BN/2), so accumulator column c pairs with column
 // c + BN/2, which the same thread holds BN/4 registers later (see wg_for_each_gated_pair).
+// Interleaved gate/up (ACT_INTERLEAVED or'ed into ACT_ID, gpt-oss's rows [g0, u0, g1, u1, ...]): B is loaded as a plain
+// tile of BN consecutive rows (K-major) or columns (N-major) of w13 from row 2 n0, so accumulator columns c, c + 1 (c
+// even, one thread's register pair) are the gate and up of h column n0 + c / 2; z and dz keep the interleaved order
+// (EPI_ACT writes z's pairs as they are and h one element a pair; EPI_DHCUR reads and writes z's pairs 8 bytes at a
+// time). No A_ACT form.
 //
 // The K-grouped weight-gradient GEMM on the same pipeline is moe_wgrad_sm90.cu; what both share is in
 // sm90_common.cuh.
@@ -66,7 +71,7 @@ namespace blz {
 //   N-major B (E, Kd, N): 3-D (N, Kd, E), box (64, 64, 1): BN/64 boxes per stage, one per 64-column atom; a gated
 //     tile's ("in_out" w13 (E, d, 2h)) 4-D (N, halves, Kd, E), the halves args.up columns apart, box (64, 1, 64, 1):
 //     the first BN/128 atoms the gate columns, the others the matching up columns.
-template <typename T, bool B_KMAJOR, int EPI, int ACT, bool A_GATHER, int BN, bool B_TMA, bool A_ACT, bool A_TMA,
+template <typename T, bool B_KMAJOR, int EPI, int ACT_ID, bool A_GATHER, int BN, bool B_TMA, bool A_ACT, bool A_TMA,
           int STAGES>
 __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
     const MGroupedArgs<T> p,
@@ -91,6 +96,9 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(sizeof(T) == 2, "wgmma path: 16-bit element types only");
   static_assert(EPI == EPI_ACT || EPI == EPI_ROWSCALE || EPI == EPI_DHCUR, "MODE_M epilogues only");
+  constexpr int ACT = act_base(ACT_ID);
+  constexpr bool IL = act_interleaved(ACT_ID);  // interleaved gate/up pairs (see the header)
+  static_assert(!IL || (act_gated(ACT) && EPI != EPI_ROWSCALE), "interleaved: a gated first GEMM or dh' only");
   // local names (moe_gemm_sm80.cu has its own BM, BK, STAGES at namespace scope)
   constexpr int BM = sm90::BM, BK = sm90::BK, ROW_BYTES = sm90::ROW_BYTES;
   // A_ACT: A holds pre-activations z in slot order (gated: the gate columns [0, Kd), the up columns [Kd, 2 Kd));
@@ -101,6 +109,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   using C = sm90::Cfg<BN, A2 ? 2 : 1, STAGES>;
   constexpr int EPC = 8;  // elements per 16-byte chunk
   constexpr bool GATED = (EPI == EPI_ACT) && act_gated(ACT);
+  constexpr bool HALVES = GATED && !IL;  // B's tile in a gate half and an up half
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
@@ -125,6 +134,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
   const int num_kt = (Kd + BK - 1) / BK;  // >= 1 (Kd > 0 for every M-grouped GEMM)
   const long long zup = (EPI == EPI_DHCUR && p.up) ? p.up : N;  // EPI_DHCUR: z / dz up-half offset
   const long long bup = (GATED && p.up) ? p.up : N;  // gated EPI_ACT: B's and the bias' up-half offset
+  const int NB = IL && EPI == EPI_ACT ? 2 * N : N;  // B's extent in output columns (interleaved: z's columns)
 
   if (tid == 0) {
 #pragma unroll
@@ -163,6 +173,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       const sm90::MTile mt = sm90::m_tile(v, tiles_n, mt_total, tile_offsets, offsets, num_experts);
       const int e = mt.e, m0 = mt.m0, m_end = mt.m_end, tn = mt.tn;
       const int n0 = GATED ? tn * (BN / 2) : tn * BN;  // first output column of the tile
+      const int bn0 = IL && EPI == EPI_ACT ? 2 * n0 : n0;  // B's first output column (interleaved: z's)
       if (tid == 0) {
         // slot li % INFO_SLOTS was last read by the consumers before they released the k-tiles of tile
         // li - INFO_SLOTS, which this thread has waited for (INFO_SLOTS >= STAGES + 1)
@@ -182,21 +193,21 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       if constexpr (B_TMA) {
         // the tensor map holds the addressing and the bounds
       } else if constexpr (B_KMAJOR) {
-        constexpr int ROWS = GATED ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
+        constexpr int ROWS = HALVES ? BN / 32 : BN / 16;  // rows per half (gated) or per tile
 #pragma unroll
-        for (int i = 0; i < ROWS; ++i) b_ok |= (n0 + r0 + 16 * i < N ? 1u : 0u) << i;
-        b_off0 = (long long)(n0 + r0) * ldb + cc * EPC;
+        for (int i = 0; i < ROWS; ++i) b_ok |= (bn0 + r0 + 16 * i < NB ? 1u : 0u) << i;
+        b_off0 = (long long)(bn0 + r0) * ldb + cc * EPC;
         b_off1 = (bup + n0 + r0) * ldb + cc * EPC;
       } else {
         int n, col;
-        if constexpr (GATED) {
+        if constexpr (HALVES) {
           n = n0 + (cn % (CPR / 2)) * EPC;
           col = (cn < CPR / 2) ? n : static_cast<int>(bup) + n;
         } else {
-          n = n0 + cn * EPC;
+          n = bn0 + cn * EPC;
           col = n;
         }
-        b_ok = n < N ? 1u : 0u;
+        b_ok = n < NB ? 1u : 0u;
         b_off0 = (long long)rb * ldb + col;
       }
       const T* Be = B + (long long)e * b_estride;
@@ -211,12 +222,13 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         if constexpr (EPI == EPI_DHCUR) {
           if (kt == pf_kt && m0 + tid < m_end) {
-            const T* zr = aux + (long long)(m0 + tid) * ldaux + n0;
+            // (interleaved: the 2 BN columns of z from 2 n0, the lines of h's columns [n0 + 64 c, + 64) side by side)
+            const T* zr = aux + (long long)(m0 + tid) * ldaux + (IL ? 2 * n0 : n0);
 #pragma unroll
             for (int c = 0; c < BN / 64; ++c) {
               if (n0 + 64 * c < N) {
-                sm90::prefetch_l2(zr + 64 * c);
-                if constexpr (act_gated(ACT)) sm90::prefetch_l2(zr + zup + 64 * c);
+                sm90::prefetch_l2(zr + (IL ? 128 : 64) * c);
+                if constexpr (act_gated(ACT)) sm90::prefetch_l2(IL ? zr + 128 * c + 64 : zr + zup + 64 * c);
               }
             }
           }
@@ -258,10 +270,10 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             if constexpr (A_TMA) sm90::tma_load_2d(as, &tmap_a, bar, k0, m0);
             if constexpr (B_KMAJOR) {
               constexpr int HALF = BN / 2;  // rows per box
-              sm90::tma_load_4d(bs, &tmap_b, bar, k0, n0, 0, e);
+              sm90::tma_load_4d(bs, &tmap_b, bar, k0, bn0, 0, e);
               if (!BLZ_PROBE_HALF_B)
-                sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, GATED ? n0 : n0 + HALF, GATED ? 1 : 0, e);
-            } else if constexpr (GATED) {
+                sm90::tma_load_4d(bs + HALF * ROW_BYTES, &tmap_b, bar, k0, HALVES ? n0 : bn0 + HALF, HALVES ? 1 : 0, e);
+            } else if constexpr (HALVES) {
               // atoms [0, BN/128) the gate columns n0 + 64 a, the rest the up columns (the map's second dimension)
               constexpr int AH = BN / 128;  // atoms a half
 #pragma unroll
@@ -270,14 +282,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
             } else {
 #pragma unroll
               for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
-                sm90::tma_load_3d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, n0 + 64 * a, k0, e);
+                sm90::tma_load_3d(bs + a * (BK * ROW_BYTES), &tmap_b, bar, bn0 + 64 * a, k0, e);
             }
           }
         } else if constexpr (B_KMAJOR) {
-          constexpr int ROWS = GATED ? BN / 32 : BN / 16;
+          constexpr int ROWS = HALVES ? BN / 32 : BN / 16;
           const long long step = 16 * ldb;
 #pragma unroll
-          for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+          for (int half = 0; half < (HALVES ? 2 : 1); ++half) {
             const T* src = Be + (half ? b_off1 : b_off0) + k0;
 #pragma unroll
             for (int i = 0; i < ROWS; ++i, src += step) {
@@ -395,7 +407,47 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
       const int srow0 = m0 + cw * 64;     // slot of warpgroup row 0
       const int wrow0 = srow0 + 16 * wq;  // slot of the warp's first row
       const int fr = sm90::acc_row(0, t) - 16 * wq, fc = sm90::acc_col(0, t);  // fragment row (in the warp), column
-      if constexpr (EPI == EPI_ACT) {
+      if constexpr (EPI == EPI_ACT && IL) {
+        // Interleaved: the tile's BN columns of z from 2 n0 hold the (gate, up) pairs of h's columns [n0, n0 + BN / 2),
+        // each pair in one thread's register pair. In passes of P = 64 columns of z (32 of h) through the warp's
+        // staging: z's pairs (+ b13, interleaved alike) as the plain epilogue stages z (16 rows of 128 bytes), hcur
+        // one element a pair into 16 rows of 64 bytes; both go out as 16-byte row copies.
+        constexpr int P = 64, HP = P / 2, ZARR = 16 * P * 2;
+        static_assert(ZARR + 16 * HP * 2 <= sm90::EPI_WARP_BYTES, "act staging fits in the warp's area");
+        const T* be = bias ? bias + (long long)e * bias_estride : nullptr;
+        T* hout = p.store_h ? out : nullptr;
+        T* zout = p.store_z ? out2 : nullptr;
+        const unsigned za = ep, hs = ep + ZARR;
+        const int zn0 = 2 * n0;
+        auto passes = [&](auto has_bias) {  // with and without a bias (sm90::BoolC)
+#pragma unroll
+          for (int p = 0; p < BN / P; ++p) {
+            sm90::staged_pass<P>(p, fr, fc, lane, [&](int h, int j, int c, unsigned off) {
+              float a = acc[sm90::acc_reg(j, h)], b = acc[sm90::acc_reg(j, h) + 1];
+              sm90::add_bias2(be, zn0 + c, 2 * N, a, b, has_bias);
+              // hcur from z as stored (rounded to T), as the backward recomputes it
+              const unsigned zv = sm90::pack2<T>(a, b);
+              const float2 zr = sm90::unpack2<T>(zv);
+              sm90::st_shared_u32(za + off, zv);
+              const int hc = (c >> 1) - p * HP;  // the pair's column of h in the pass
+              sm90::st_shared_u16(hs + sm90::stage_off<HP / 8>(fr + 8 * h, hc >> 3) + (hc & 7) * 2,
+                                  sm90::pack1<T>(gated_f<ACT>(zr.x, zr.y)));
+            }, [&](int rl, unsigned off, int col) {
+              const int s = wrow0 + rl, ch = (col >> 3) - p * (P / 8);  // chunk ch of the pass's z row
+              if (s < m_end && !BLZ_PROBE_EPI) {
+                if (zout && zn0 + col < 2 * N)
+                  *reinterpret_cast<uint4*>(zout + (long long)s * ldo2 + zn0 + col) = sm90::ld_shared_v4(za + off);
+                // lanes of chunks 0..3 copy the same chunk of the row's 32 h columns
+                const int hc = n0 + p * HP + 8 * ch;
+                if (hout && ch < HP / 8 && hc < N)
+                  *reinterpret_cast<uint4*>(hout + (long long)s * ldo + hc) =
+                      sm90::ld_shared_v4(hs + sm90::stage_off<HP / 8>(rl, ch));
+              }
+            });
+          }
+        };
+        if (be) passes(sm90::BoolC<true>{}); else passes(sm90::BoolC<false>{});
+      } else if constexpr (EPI == EPI_ACT) {
         // In passes of P output columns through the warp's staging: the activation h and the pre-activations z
         // (gated: gate and up parts) go out as 16-byte row copies. A tile covers NC output columns (gated: BN / 2
         // of h, with the matching gate and up columns of z).
@@ -501,16 +553,21 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         const unsigned zb = za + ARR, hs = za + (NARR - 1) * ARR;
         auto chunk_off = [](int rl, int ch) { return static_cast<unsigned>(rl * RB + ((ch ^ (rl & 7)) << 4)); };
         const int co = lane % CPR, ro = lane / CPR, nc = n0 + co * EPC;
+        // the lane's chunk of z / dz in the za and zb arrays: [gate; up] the columns nc of each half; interleaved
+        // the pairs of h's columns [n0, n0 + BN/2) (za) and [n0 + BN/2, n0 + BN) (zb), 2 n0 + 8 co and BN further
+        // (computed where used: kept live across the arithmetic they cost the interleaved forms spills)
+        auto zcol = [&](int half) -> long long { return IL ? 2LL * n0 + co * EPC + half * BN : half ? zup + nc : nc; };
+        auto zok = [&](int half) { return IL ? n0 + half * (BN / 2) + co * (EPC / 2) < N : nc < N; };
         sm90::consumer_bar_sync();  // both warpgroups' wgmma are done with the ring before it is overwritten
         // every z chunk of the warp's rows in flight at once (cp.async straight into the staging; zero-filled
         // past the expert's rows or the last column), then one wait
 #pragma unroll
         for (int i = 0; i < 16 / RPI; ++i) {
           const int rl = RPI * i + ro, s = wrow0 + rl;
-          const bool ok = s < m_end && nc < N;
-          const T* zr = aux + (long long)s * ldaux + nc;
-          sm90::cp_async16_s(za + chunk_off(rl, co), ok ? zr : aux, ok ? 16 : 0);
-          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), ok ? zr + zup : aux, ok ? 16 : 0);
+          const T* zr = aux + (long long)s * ldaux;
+          const bool ra = s < m_end && zok(0), rb = s < m_end && zok(1);
+          sm90::cp_async16_s(za + chunk_off(rl, co), ra ? zr + zcol(0) : aux, ra ? 16 : 0);
+          if constexpr (G2) sm90::cp_async16_s(zb + chunk_off(rl, co), rb ? zr + zcol(1) : aux, rb ? 16 : 0);
         }
         sm90::cp_async_wait_all();
         __syncwarp();
@@ -524,33 +581,58 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
         // warp waits for shared memory once per batch instead of once per pair (the volatile shared-memory
         // accesses keep program order). Same visiting order as wg_for_each_pair: psum adds in a fixed order.
         {
-          constexpr int JB = 8;
+          constexpr int JB = IL ? 2 : 8;  // (interleaved: 8-byte z loads; batches of 4 spilled in the geglu form)
           const int r0 = sm90::acc_row(0, t) - 16 * wq, c0 = sm90::acc_col(0, t);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int rl = r0 + 8 * h;
+            if constexpr (IL) {
 #pragma unroll
-            for (int jb = 0; jb < BN / 8; jb += JB) {
-              unsigned av[JB], bv[JB];
+              for (int jb = 0; jb < BN / 8; jb += JB) {
+                // interleaved: columns c, c + 1 of h are z's [a0, b0, a1, b1] at 2 c (za below 2 c = BN, else zb),
+                // read and rewritten (dz) 8 bytes at a time; g * hcur as the [gate; up] form stages it
+                uint2 zv[JB];
 #pragma unroll
-              for (int u = 0; u < JB; ++u) {
-                const int c = c0 + 8 * (jb + u);
-                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
-                av[u] = sm90::ld_shared_u32(za + off);
-                bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+                for (int u = 0; u < JB; ++u) {
+                  const int lc = (2 * (c0 + 8 * (jb + u))) & (BN - 1);
+                  zv[u] = sm90::ld_shared_v2((jb + u < BN / 16 ? za : zb) + chunk_off(rl, lc >> 3) + (lc & 7) * 2);
+                }
+#pragma unroll
+                for (int u = 0; u < JB; ++u) {
+                  const int c = c0 + 8 * (jb + u), lc = (2 * c) & (BN - 1);
+                  const int i = sm90::acc_reg(jb + u, h);
+                  const float2 q0 = sm90::unpack2<T>(zv[u].x), q1 = sm90::unpack2<T>(zv[u].y);
+                  const DhcurPair q = dhcur_math<ACT>(q0.x, q1.x, q0.y, q1.y, acc[i], acc[i + 1], gs[h]);
+                  sm90::st_shared_v2((jb + u < BN / 16 ? za : zb) + chunk_off(rl, lc >> 3) + (lc & 7) * 2,
+                                     make_uint2(sm90::pack2<T>(q.da0, q.db0), sm90::pack2<T>(q.da1, q.db1)));
+                  sm90::st_shared_u32(hs + chunk_off(rl, c >> 3) + (c & 7) * 2, sm90::pack2<T>(q.hg0, q.hg1));
+                  psum[h] += q.p;
+                }
               }
+            } else {
 #pragma unroll
-              for (int u = 0; u < JB; ++u) {
-                const int c = c0 + 8 * (jb + u);
-                const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
-                const int i = sm90::acc_reg(jb + u, h);
-                const float2 a = sm90::unpack2<T>(av[u]);
-                const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
-                const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
-                sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
-                if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
-                sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
-                psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+              for (int jb = 0; jb < BN / 8; jb += JB) {
+                unsigned av[JB], bv[JB];
+#pragma unroll
+                for (int u = 0; u < JB; ++u) {
+                  const int c = c0 + 8 * (jb + u);
+                  const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                  av[u] = sm90::ld_shared_u32(za + off);
+                  bv[u] = G2 ? sm90::ld_shared_u32(zb + off) : 0u;
+                }
+#pragma unroll
+                for (int u = 0; u < JB; ++u) {
+                  const int c = c0 + 8 * (jb + u);
+                  const unsigned off = chunk_off(rl, c >> 3) + (c & 7) * 2;
+                  const int i = sm90::acc_reg(jb + u, h);
+                  const float2 a = sm90::unpack2<T>(av[u]);
+                  const float2 b = G2 ? sm90::unpack2<T>(bv[u]) : make_float2(0.f, 0.f);
+                  const DhcurPair q = dhcur_math<ACT>(a.x, a.y, b.x, b.y, acc[i], acc[i + 1], gs[h]);
+                  sm90::st_shared_u32(za + off, sm90::pack2<T>(q.da0, q.da1));
+                  if constexpr (G2) sm90::st_shared_u32(zb + off, sm90::pack2<T>(q.db0, q.db1));
+                  sm90::st_shared_u32(hs + off, sm90::pack2<T>(q.hg0, q.hg1));
+                  psum[h] += q.p;  // rows / columns outside the problem hold z = 0 and dh' = 0: they add 0
+                }
               }
             }
           }
@@ -559,11 +641,14 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_gemm_sm90(
 #pragma unroll 1
         for (int i = 0; i < 16 / RPI; ++i) {
           const int rl = RPI * i + ro, s = wrow0 + rl;
-          if (s < m_end && nc < N && !BLZ_PROBE_EPI) {
-            T* dzr = out + (long long)s * ldo + nc;
-            *reinterpret_cast<uint4*>(dzr) = sm90::ld_shared_v4(za + chunk_off(rl, co));
-            if constexpr (G2) *reinterpret_cast<uint4*>(dzr + zup) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
-            *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
+          if (s < m_end && !BLZ_PROBE_EPI) {
+            T* dzr = out + (long long)s * ldo;
+            if (zok(0)) *reinterpret_cast<uint4*>(dzr + zcol(0)) = sm90::ld_shared_v4(za + chunk_off(rl, co));
+            if constexpr (G2) {
+              if (zok(1)) *reinterpret_cast<uint4*>(dzr + zcol(1)) = sm90::ld_shared_v4(zb + chunk_off(rl, co));
+            }
+            if (nc < N)
+              *reinterpret_cast<uint4*>(out2 + (long long)s * ldo2 + nc) = sm90::ld_shared_v4(hs + chunk_off(rl, co));
           }
         }
         // A row lives in the 4 lanes of one quad (all BN columns): fixed-order butterfly, one store.
