@@ -6,7 +6,8 @@ backend lacks (scripts/hf_families.py); the README's families table must be the 
 Whole models: gpt-oss (transposed, interleaved, biased experts with the clamped SwiGLU) matches "eager" in its
 logits and every parameter gradient; a checkpoint saved from a tiny model loads with
 ``from_pretrained(..., experts_implementation="blazecore")``; ``torch.compile`` of the HF model matches eager.
-GPU-marked tests run gpt-oss and Mixtral whole models in bfloat16 and float32 against eager.
+GPU-marked tests run gpt-oss and Mixtral whole models against eager: in float32 directly, in bfloat16 against eager in
+float64 beside eager's own bfloat16 run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("blazecore_torch.hf")
 
-from blazecore.testing import assert_close  # noqa: E402
+from blazecore.testing import assert_close, rel_norm_error  # noqa: E402
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "hf_families.py"
 
@@ -184,23 +185,59 @@ def test_gpu_family_matches_eager_or_names_what_is_missing(family, dtype):
     assert (status == H.MATCHES) == (row["gpu"] == "runs"), (status, row["gpu"])
 
 
+def _grads(model, tokens) -> dict:
+    """The logits and every parameter gradient of one forward + backward, as float64 NumPy arrays."""
+    out = model(tokens, labels=tokens)
+    out.loss.backward()
+    f = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    return {"logits": f(out.logits), **{n: f(p.grad) for n, p in model.named_parameters() if p.grad is not None}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("make", [pytest.param(_gpt_oss_config, id="gpt_oss"), pytest.param(_mixtral_config,
                                                                                                id="mixtral")])
-def test_gpu_whole_model_matches_eager(make, dtype):
-    """On CUDA, gpt-oss (transposed, interleaved, biased experts, clamps reached) and Mixtral match eager in logits
-    and every parameter gradient, the weights read as stored."""
+def test_gpu_whole_model_matches_eager(make):
+    """On CUDA in float32, gpt-oss (transposed, interleaved, biased experts, clamps reached) and Mixtral match eager
+    in logits and every parameter gradient, the weights read as stored."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    eager = _model(make(), dtype=dtype, expert_std=1.0 if make is _gpt_oss_config else None).cuda()
+    eager = _model(make(), expert_std=1.0 if make is _gpt_oss_config else None).cuda()
     ours = copy.deepcopy(eager)
     ours.set_experts_implementation(hf.BACKEND_NAME)
     tokens = torch.randint(3, 64, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     if make is _gpt_oss_config:
         z = _gpt_oss_z(eager, tokens).float()
         assert (z[:, 0::2] > 7).any() and (z[:, 1::2].abs() > 7).any()  # both clamps active somewhere
-    _compare(eager, ours, tokens, 1e-5 if dtype == torch.float32 else 3e-2)
+    _compare(eager, ours, tokens, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [pytest.param(_gpt_oss_config, id="gpt_oss"), pytest.param(_mixtral_config,
+                                                                                               id="mixtral")])
+def test_gpu_whole_model_bf16_as_accurate_as_eager(make):
+    """On CUDA in bfloat16, over 8 token draws: the logits match eager's (bf16) within 3e-2, and the experts' gradients
+    are on average at least as close to the truth as eager's own bf16 run. The truth is the same model (the bf16
+    weights) run by eager in float64. (In gpt-oss with its clamps reached the bf16 gradients are ill-conditioned:
+    eager's own worst gradient error against float64 ranges from 2% to 10% over token draws, so one draw's comparison
+    of two bf16 runs measures that spread, not the kernels.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    eager = _model(make(), dtype=torch.bfloat16, expert_std=1.0 if make is _gpt_oss_config else None).cuda()
+    truth = copy.deepcopy(eager).to(torch.float64)
+    errs = {"eager": [], "ours": []}
+    for seed in range(8):
+        tokens = torch.randint(3, 64, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        ours = copy.deepcopy(eager)
+        ours.set_experts_implementation(hf.BACKEND_NAME)
+        want = _grads(copy.deepcopy(truth), tokens)
+        got = {"eager": _grads(copy.deepcopy(eager), tokens), "ours": _grads(ours, tokens)}
+        assert_close(got["ours"]["logits"], got["eager"]["logits"], 3e-2, f"logits (tokens {seed})")
+        keys = [k for k in want if ".experts." in k]
+        assert keys and all(k in got["ours"] for k in keys)
+        for who, g in got.items():
+            errs[who].append(max(rel_norm_error(g[k], want[k]) for k in keys))
+    mean = {who: sum(v) / len(v) for who, v in errs.items()}
+    assert mean["ours"] <= mean["eager"], f"experts' gradients vs float64: ours {errs['ours']}, eager {errs['eager']}"
 
 
 @pytest.mark.gpu
