@@ -1001,7 +1001,7 @@ def _dw2_slice(kern, hg, dy, dw2, disp, c0, E, d, h, blk, nb, stream, carry=None
 
 def _dy_stage(kern, slices, LK, d, dt):
     """dy's rows staged in slot order for dw2's launches over ``slices`` of h (a :class:`_Staged`), or None."""
-    if kern.t or not _stage_rows(kern, sum(kern.tiles_n("dw2", c1 - c0) for c0, c1 in slices)):
+    if not _stage_rows(kern, sum(kern.tiles_n("dw2", c1 - c0) for c0, c1 in slices)):
         return None
     return _Staged(LK, d, dt)
 
@@ -1017,7 +1017,7 @@ def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, st
     if kern.t or kern.sm90:  # "in_out": W^T = x_g^T dz, stored as is; sm_90a: the same tiles stored transposed
         out, ldo = (dw13[:, :, row0:], H2) if kern.t else (dw13[:, row0:], d)
         tiles_n = kern.tiles_n("dw13", pw)
-        stage = _Staged(dz.shape[0], d, logical_dtype(x)) if not kern.t and _stage_rows(kern, tiles_n) else None
+        stage = _Staged(dz.shape[0], d, logical_dtype(x)) if _stage_rows(kern, tiles_n) else None
         _launch_k(kern, "dw13" if stage is None else "dw13s", E * -(-d // BM) * tiles_n, stream, A=x, lda=d, B=dzp,
                   ldb=ldz, disp=disp, E=E, M=d, N=pw, out=out, ldo=ldo,
                   o_estride=H2 * d, kblocks=blk, num_kblocks=nb, stage=stage, **ck)

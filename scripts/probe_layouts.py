@@ -40,8 +40,9 @@ def _env(var, value):
 
 
 def _steps(torch, ops, x, w13, w2, gates, ids, dy, activation="swiglu", interleaved=False, biases=None):
-    """{run: step() -> (y, dx, dw13, dw2, dgates) as "out_in" stores them ([gate; up] rows)}; ``interleaved``: the
-    "in_out" runs' w13 (and b13) rows interleaved."""
+    """({run: step() -> (y, dx, dw13, dw2, dgates) as the run's layout stores them}, {run: those as "out_in" stores
+    them ([gate; up] rows)}): the timed steps, and the mapping the error check applies outside them; ``interleaved``:
+    the "in_out" runs' w13 (and b13) rows interleaved."""
     E, h = w13.shape[0], w13.shape[1] // 2
     disp = ops.build_dispatch(ids, E, validate=False)
     b13, b2 = biases or (None, None)
@@ -61,14 +62,17 @@ def _steps(torch, ops, x, w13, w2, gates, ids, dy, activation="swiglu", interlea
                 y = ops.moe_ffn(xs, ws13, ws2, gs, ids, activation=act, checkpoint="ab", dispatch=disp,
                                 weight_layout=layout, b13=bias13, b2=b2)
                 g = torch.autograd.grad(y, (xs, ws13, ws2, gs), dy)
-            if layout == "in_out":
-                g13 = g[1].transpose(1, 2)
-                g = (g[0], g13[:, inv] if interleaved else g13, g[2].transpose(1, 2), g[3])
             return (y, *g)
 
         return step
 
-    return {"out_in": make("out_in", True), "in_out": make("in_out", True), "in_out_mma_sync": make("in_out", False)}
+    def canon(out):  # an "in_out" run's results as "out_in" stores them
+        y, dx, g13, g2, dg = out
+        g13 = g13.transpose(1, 2)
+        return y, dx, g13[:, inv] if interleaved else g13, g2.transpose(1, 2), dg
+
+    steps = {"out_in": make("out_in", True), "in_out": make("in_out", True), "in_out_mma_sync": make("in_out", False)}
+    return steps, {"out_in": lambda out: out, "in_out": canon, "in_out_mma_sync": canon}
 
 
 def _rel(torch, a, b) -> float:
@@ -96,11 +100,11 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(1)
             biases = tuple((torch.randn(E, n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
                            for n in (2 * h, d)) if a.bias else None
-            steps = _steps(torch, ops, x, w13, w2, gates, ids, dy, a.activation, a.interleaved, biases)
+            steps, canon = _steps(torch, ops, x, w13, w2, gates, ids, dy, a.activation, a.interleaved, biases)
             ref = steps["out_in"]()
             errs = {}
             for run in RUNS[1:]:
-                got = steps[run]()
+                got = canon[run](steps[run]())
                 errs[run] = dict(zip(("y", "dx", "dw13", "dw2", "dgates"),
                                      (_rel(torch, g, r) for g, r in zip(got, ref, strict=True)), strict=True))
                 del got
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{shape} {L // 1024}k: " + ", ".join(f"{r} {t[r].median_ms:.3f} ms" for r in RUNS)
                   + f"; largest error vs out_in {max(v for e in errs.values() for v in e.values()):.2e}", flush=True)
-            del x, w13, w2, gates, ids, dy, steps
+            del x, w13, w2, gates, ids, dy, steps, canon
             torch.cuda.empty_cache()
     write_probe_json(a, rows)
     return 0 if ok else 1
