@@ -44,7 +44,7 @@ template <typename T> __device__ __forceinline__ void load2(const T* p, float& a
 // pre-activation. SWIGLU_OAI is gpt-oss's clamped SwiGLU: a' = min(a, 7), act = a' sigmoid(1.702 a'),
 // up_f = clamp(b, -7, 7) + 1; a clamp passes the gradient where the value lies inside it, bounds included.
 enum Act : int { SWIGLU = 0, GEGLU = 1, GELU = 2, SILU = 3, RELU2 = 4, SWIGLU_OAI = 5 };
-// ACT_INTERLEAVED | a gated Act (mma.sync kernels only): w13's 2h rows, z's and dz's columns and b13 alternate
+// ACT_INTERLEAVED | a gated Act (every GEMM kernel with an activation): w13's 2h rows, z's and dz's columns and b13 alternate
 // gate and up ([g0, u0, g1, u1, ...], gpt-oss's layout) instead of [gate half | up half].
 constexpr int ACT_INTERLEAVED = 8;
 __host__ __device__ constexpr int act_base(int act) { return act & (ACT_INTERLEAVED - 1); }
