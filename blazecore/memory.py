@@ -189,7 +189,8 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
 
 def act_in_operand_lowers_peak(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16",
                                activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1,
-                               bias: tuple[bool, bool] = (False, False), block_tokens: int = BLOCK_TOKENS) -> bool:
+                               bias: tuple[bool, bool] = (False, False), block_tokens: int = BLOCK_TOKENS,
+                               weight_layout: str = "out_in") -> bool:
     """Whether ``moe_forward(act_in_operand=True)`` lowers the peak of a call whose framework allocates the
     gradients before the forward runs (XLA allocates a computation's outputs up front): such a call holds
     max(forward peak + gradients, backward peak), and ``act_in_operand`` lowers only the forward's peak. False where
@@ -200,7 +201,8 @@ def act_in_operand_lowers_peak(L: int, d: int, h: int, E: int, K: int, *, dtype=
 
     def held(act_in_operand: bool) -> int:
         est = moe_memory(L, d, h, E, K, dtype=dtype, activation=activation, checkpoint=checkpoint, chunks=chunks,
-                         bias=bias, block_tokens=block_tokens, act_in_operand=act_in_operand)
+                         bias=bias, block_tokens=block_tokens, act_in_operand=act_in_operand,
+                         weight_layout=weight_layout)
         return max(est.forward_peak_bytes + est.gradient_bytes, est.backward_peak_bytes)
 
     return held(True) < held(False)

@@ -154,6 +154,69 @@ def test_ffn_forward_and_grads(activation, bias, checkpoint):
         _close(a, b, name)
 
 
+def _stored(w13, w2, b13, layout: str, interleaved: bool):
+    """The default layout's w13, w2, b13 as another library stores them: gate/up rows interleaved ([g0, u0, g1, u1,
+    ...]) and / or the experts' matrices transposed ("in_out")."""
+    if interleaved:
+        h = w13.shape[1] // 2
+        perm = np.stack((np.arange(h), np.arange(h, 2 * h)), 1).reshape(-1)
+        w13, b13 = w13[:, perm], None if b13 is None else b13[:, perm]
+    if layout == "in_out":
+        w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
+    return w13, w2, b13
+
+
+def _layout_run(D, layout, interleaved, checkpoint, dy, jit):
+    """y and the gradients (x, w13, w2, gates, b13, b2) of sum(y * dy) through moe_ffn on the weights stored in
+    ``layout`` / ``interleaved``; the weight and bias gradients as the default layout's run would give them."""
+    s13, s2, sb13 = _stored(D["w13"], D["w2"], D["b13"], layout, interleaved)
+    act = "swiglu" + ("_interleaved" if interleaved else "")
+
+    def f(x, w13, w2, g, b13, b2):
+        return ops.moe_ffn(x, w13, w2, g, D["ids"], activation=act, checkpoint=checkpoint, b13=b13, b2=b2,
+                           weight_layout=layout)
+
+    def run(*a):
+        y, vjp = jax.vjp(f, *a)
+        return y, vjp(dy)
+
+    y, g = (jax.jit(run) if jit else run)(D["x"], s13, s2, D["gates"], sb13, D["b2"])
+    for a, b in ((g[1], s13), (g[2], s2), (g[4], sb13)):
+        assert a.shape == b.shape  # in the stored layout
+    h = D["w2"].shape[2]
+    inv = np.argsort(np.stack((np.arange(h), np.arange(h, 2 * h)), 1).reshape(-1))
+    dw13, dw2, db13 = g[1], g[2], g[4]
+    if layout == "in_out":
+        dw13, dw2 = jnp.swapaxes(dw13, 1, 2), jnp.swapaxes(dw2, 1, 2)
+    if interleaved:
+        dw13, db13 = dw13[:, inv], db13[:, inv]
+    return y, (g[0], dw13, dw2, g[3], db13, g[5])
+
+
+@pytest.mark.parametrize("checkpoint", ["ab", "none"])
+@pytest.mark.parametrize("layout,interleaved", [("in_out", False), ("out_in", True), ("in_out", True)],
+                         ids=["in_out", "interleaved", "in_out-interleaved"])
+def test_ffn_weight_layouts(layout, interleaved, checkpoint):
+    """moe_ffn on weights stored "in_out" and / or with interleaved gate/up rows (gpt-oss's storage, read in place):
+    y and every gradient of the jax.numpy reference on the default layout, the weight gradients in the stored layout,
+    eager and under jit. A layout the core does not know, or weights that do not fit the one named, fail at trace
+    time."""
+    D = _data(activation="swiglu", bias=True)
+    dy = jnp.asarray(np.random.default_rng(1).standard_normal(D["x"].shape).astype(np.float32))
+    args = (D["x"], D["w13"], D["w2"], D["gates"], D["b13"], D["b2"])
+    ry, rvjp = jax.vjp(lambda *a: ref_ffn(a[0], a[1], a[2], a[3], D["ids"], "swiglu", a[4], a[5]), *args)
+    want = rvjp(dy)
+    for jit in (False, True):
+        y, got = _layout_run(D, layout, interleaved, checkpoint, dy, jit)
+        _close(y, ry, f"y (jit={jit})")
+        for name, a, b in zip(("dx", "dw13", "dw2", "dgates", "db13", "db2"), got, want, strict=True):
+            _close(a, b, f"{name} (jit={jit})")
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        ops.moe_ffn(D["x"], D["w13"], D["w2"], D["gates"], D["ids"], weight_layout="transposed")
+    with pytest.raises(ValueError, match="weight_layout 'in_out'"):
+        ops.moe_ffn(D["x"], D["w13"], D["w2"], D["gates"], D["ids"], weight_layout="in_out")
+
+
 def test_forward_backward_ops_and_saved_ab():
     D = _data()
     disp = ops.build_dispatch(D["ids"], 6)
@@ -528,6 +591,21 @@ def test_gpu_ffn_output_and_every_grad(dtype, activation, bias, checkpoint, mode
     for name, a, g, r in zip(("d" + n for n in names), args, grads, rgrads, strict=True):
         assert g.dtype == a.dtype and g.shape == a.shape, f"{name}: {g.dtype} {g.shape}"
         _close(_f32(g), r, name, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,interleaved", [("in_out", False), ("in_out", True)], ids=["in_out", "gpt-oss"])
+def test_gpu_ffn_weight_layouts(layout, interleaved):
+    """On the GPU in bfloat16 (the wgmma kernels on Hopper): moe_ffn on weights stored "in_out" (with interleaved
+    gate/up rows: gpt-oss's storage) gives the default layout's run's y and gradients, eager and under jit."""
+    D = _gpu_data(jnp.bfloat16, "swiglu", True)
+    dy = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal(D["x"].shape), jnp.bfloat16), _jax_gpu())
+    for jit in (False, True):
+        y0, g0 = _layout_run(D, "out_in", False, "ab", dy, jit)
+        y, g = _layout_run(D, layout, interleaved, "ab", dy, jit)
+        _close(_f32(y), _f32(y0), f"y (jit={jit})", GPU_TOL["bfloat16"])
+        for name, a, b in zip(("dx", "dw13", "dw2", "dgates", "db13", "db2"), g, g0, strict=True):
+            _close(_f32(a), _f32(b), f"{name} (jit={jit})", GPU_TOL["bfloat16"])
 
 
 @pytest.mark.gpu

@@ -64,6 +64,7 @@ import numpy as np
 
 import blazecore
 from blazecore import _array
+from blazecore._moe_common import check_weight_layout, weight_dims
 from blazecore.moe import ffn_shapes
 
 try:
@@ -232,8 +233,10 @@ def _check_ids(ids, name: str, L: int) -> int:
     return int(ids.shape[1])
 
 
-def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoint: str):
-    """dtypes here (JAX's); shapes by the core's rules (``blazecore.moe.ffn_shapes``)."""
+def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoint: str, weight_layout="out_in"):
+    """dtypes here (JAX's); shapes by the core's rules (``blazecore.moe.ffn_shapes``, the weights read in
+    ``weight_layout``)."""
+    check_weight_layout(weight_layout)
     if checkpoint not in blazecore.CHECKPOINTS:
         raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
                          f"{', '.join(blazecore.CHECKPOINTS)})")
@@ -245,8 +248,16 @@ def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoi
     _check_float(gates, "gates", (np.dtype(np.float32),))
     if _dtype(expert_ids) not in _INTS:
         raise TypeError(f"expert_ids: dtype {_dname(_dtype(expert_ids))}, expected int32 or int64")
-    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, expert_ids.shape, activation=activation,
-                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
+    s13, s2 = weight_dims(w13.shape, w2.shape, weight_layout) if len(w13.shape) == len(w2.shape) == 3 \
+        else (w13.shape, w2.shape)
+    try:
+        L, d, E, R, h, K = ffn_shapes(x.shape, s13, s2, gates.shape, expert_ids.shape, activation=activation,
+                                      b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
+    except ValueError as exc:
+        if weight_layout == "in_out":  # the shapes in the message are the (out, in) ones the check compares
+            raise ValueError(f"{exc} (weight_layout 'in_out': w13 {tuple(w13.shape)} is read as {tuple(s13)}, "
+                             f"w2 {tuple(w2.shape)} as {tuple(s2)})") from None
+        raise
     return L, d, E, R, h, K, dt
 
 
@@ -482,7 +493,7 @@ class MoEGrads(NamedTuple):
 
 
 def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1,
-                act_in_operand=True):
+                act_in_operand=True, weight_layout="out_in"):
     y_out, ab_out = outs
     with _scope(ctx, (x,)) as v:
         ab_view = v(ab_out) if checkpoint == "ab" else None
@@ -492,12 +503,14 @@ def _ffn_fwd_cb(ctx, outs, x, w13, w2, gates, ids, disp, b13, b2, *, activation,
             y, saved = blazecore.moe_forward(v(x), v(w13), v(w2), v(gates), v(ids), activation=activation,
                                              checkpoint=checkpoint, b13=v(b13), b2=v(b2),
                                              dispatch=_core_dispatch(v, *disp), out=v(y_out), stream=v.stream,
-                                             chunks=chunks, act_in_operand=act_in_operand)
+                                             chunks=chunks, act_in_operand=act_in_operand,
+                                             weight_layout=weight_layout)
         if ab_view is not None:
             v.put(ab_view, saved.ab)
 
 
-def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1):
+def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, activation, checkpoint, chunks=1,
+                weight_layout="out_in"):
     dz, dx, dw13, dw2, dgates, db13, db2 = outs
     with _scope(ctx, (x,)) as v:
         # under "ab", dz is the output aliased to the ab input (input_output_aliases): the same bytes as ab
@@ -509,7 +522,7 @@ def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, act
             # GPU), it starts from ab's values: copied on XLA's stream, nothing to do when the two are one buffer
             v.put(z, v(ab))
         saved = blazecore.MoESaved(v(x), v(w13), v(w2), v(gates), v(ids), _core_dispatch(v, *disp), activation,
-                                   checkpoint, v(b13), v(b2), z, chunks=chunks)
+                                   checkpoint, v(b13), v(b2), z, chunks=chunks, weight_layout=weight_layout)
         g = blazecore.moe_backward(v(dy), saved, out_dx=v(dx), out_dw13=v(dw13), out_dw2=v(dw2),
                                    out_dgates=v(dgates), stream=v.stream, retain=False)
         if db13 is not None:
@@ -519,30 +532,34 @@ def _ffn_bwd_cb(ctx, outs, ab, dy, x, w13, w2, gates, ids, disp, b13, b2, *, act
 
 
 def moe_forward(x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, *, b13=None, b2=None,
-                activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1):
+                activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1, weight_layout: str = "out_in"):
     """Forward op (no gradient of its own; :func:`moe_ffn` is the differentiable entry point).
 
     Returns (y (L, d) in x's dtype, ab): ab the (L*K, R) pre-activations in expert-slot order under
     checkpoint "ab", a (0, R) placeholder under "none"; pass it to :func:`moe_backward` with the same
-    ``chunks`` (token chunks, see ``blazecore.moe_forward``; ab's rows are laid out chunk by chunk).
+    ``chunks`` (token chunks, see ``blazecore.moe_forward``; ab's rows are laid out chunk by chunk) and the same
+    ``weight_layout`` (``blazecore.moe_forward``'s).
     """
-    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout)
     _check_dispatch(dispatch, L, K, E)
     shapes = (_sds((L, d), dt), _sds((L * K if checkpoint == "ab" else 0, R), dt))
     chunks = _chunks(chunks)
     aio = blazecore.memory.act_in_operand_lowers_peak(L, d, h, E, K, dtype=np.dtype(dt).name, activation=activation,
                                                       checkpoint=checkpoint, chunks=chunks,
-                                                      bias=(b13 is not None, b2 is not None))
+                                                      bias=(b13 is not None, b2 is not None),
+                                                      weight_layout=weight_layout)
     cb = functools.partial(_ffn_fwd_cb, activation=activation, checkpoint=checkpoint, chunks=chunks,
-                           act_in_operand=aio)
+                           act_in_operand=aio, weight_layout=weight_layout)
     y, ab = _callback(cb, shapes)(x, w13, w2, gates, expert_ids, tuple(dispatch), b13, b2)
     return y, ab
 
 
 def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *, b13=None, b2=None,
-                 activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1) -> MoEGrads:
-    """Backward op: gradients of sum(dy * y) from the forward's inputs and its ``ab``."""
-    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+                 activation: str = "swiglu", checkpoint: str = "ab", chunks: int = 1,
+                 weight_layout: str = "out_in") -> MoEGrads:
+    """Backward op: gradients of sum(dy * y) from the forward's inputs and its ``ab`` (dw13 and dw2 in the weights'
+    ``weight_layout``)."""
+    L, d, E, R, h, K, dt = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout)
     _check_dispatch(dispatch, L, K, E)
     if tuple(dy.shape) != (L, d) or _dtype(dy) != dt:
         raise ValueError(f"dy: expected ({L}, {d}) {_dname(dt)}, got {tuple(dy.shape)} {_dname(_dtype(dy))}")
@@ -553,7 +570,8 @@ def moe_backward(dy, x, w13, w2, gates, expert_ids, dispatch: JaxDispatch, ab, *
     shapes = (_sds(ab.shape, dt), _sds(x.shape, dt), _sds(w13.shape, dt), _sds(w2.shape, dt),
               _sds(gates.shape, np.float32), None if b13 is None else _sds(b13.shape, dt),
               None if b2 is None else _sds(b2.shape, dt))
-    cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint, chunks=_chunks(chunks))
+    cb = functools.partial(_ffn_bwd_cb, activation=activation, checkpoint=checkpoint, chunks=_chunks(chunks),
+                           weight_layout=weight_layout)
     # ab is input 0 and dz output 0 (ab first: buffer_callback checks alias indices against the top-level
     # argument count)
     aliases = {0: 0} if checkpoint == "ab" else None
@@ -579,22 +597,22 @@ def _check_dispatch(dispatch, L: int, K: int, E: int) -> None:
                              "(was the dispatch built for other expert_ids or another number of experts?)")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _ffn(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _ffn(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks, weight_layout):
     return moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation,
-                       checkpoint=checkpoint, chunks=chunks)[0]
+                       checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)[0]
 
 
-def _ffn_fwd(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks):
+def _ffn_fwd(x, w13, w2, gates, ids, disp, b13, b2, activation, checkpoint, chunks, weight_layout):
     y, ab = moe_forward(x, w13, w2, gates, ids, disp, b13=b13, b2=b2, activation=activation, checkpoint=checkpoint,
-                        chunks=chunks)
+                        chunks=chunks, weight_layout=weight_layout)
     return y, (x, w13, w2, gates, ids, disp, ab, b13, b2)
 
 
-def _ffn_bwd(activation, checkpoint, chunks, res, dy):
+def _ffn_bwd(activation, checkpoint, chunks, weight_layout, res, dy):
     x, w13, w2, gates, ids, disp, ab, b13, b2 = res
     g = moe_backward(dy.astype(x.dtype), x, w13, w2, gates, ids, disp, ab, b13=b13, b2=b2, activation=activation,
-                     checkpoint=checkpoint, chunks=chunks)
+                     checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)
     return g.dx, g.dw13, g.dw2, g.dgates, None, None, g.db13, g.db2
 
 
@@ -602,13 +620,14 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
 def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkpoint: str = "ab", b13=None,
-            b2=None, dispatch: JaxDispatch | None = None, chunks: int = 1):
+            b2=None, dispatch: JaxDispatch | None = None, chunks: int = 1, weight_layout: str = "out_in"):
     """The expert FFNs and gate-weighted combine, differentiable w.r.t. x, w13, w2, gates, b13, b2.
 
     Args:
         x: (L, d) float32 / float16 / bfloat16.
-        w13: (E, 2h, d) for gated activations ([gate rows; up rows]), (E, h, d) otherwise; x's dtype.
-        w2: (E, d, h), x's dtype.
+        w13: (E, 2h, d) for gated activations ([gate rows; up rows], or interleaved pairs with an activation named
+            "<gated>_interleaved"), (E, h, d) otherwise; x's dtype; (E, d, 2h or h) with ``weight_layout="in_out"``.
+        w2: (E, d, h), x's dtype; (E, h, d) with ``weight_layout="in_out"``.
         gates: (L, K) float32.
         expert_ids: (L, K) int32 / int64, distinct per row, in [0, E).
         activation: one of ``blazecore.ACTIVATIONS``.
@@ -617,13 +636,16 @@ def moe_ffn(x, w13, w2, gates, expert_ids, *, activation: str = "swiglu", checkp
         dispatch: a :class:`JaxDispatch` of ``expert_ids``; built here (validating the ids) when None.
         chunks: run the tokens in this many chunks (``blazecore.moe_forward``): transients scale with
             L / chunks, results are bit-identical to one chunk.
+        weight_layout: "out_in" (default) or "in_out" (``blazecore.moe_forward``'s): how w13 and w2 are stored,
+            read as stored; their gradients come in the same layout.
 
     Returns:
         y (L, d) in x's dtype.
     """
-    _, _, E, _, _, _, _ = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint)
+    _, _, E, _, _, _, _ = _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation, checkpoint, weight_layout)
     expert_ids = jax.lax.stop_gradient(expert_ids)
     if dispatch is None:
         dispatch = build_dispatch(expert_ids, E)
     dispatch = JaxDispatch(*(jax.lax.stop_gradient(a) for a in dispatch))
-    return _ffn(x, w13, w2, gates, expert_ids, dispatch, b13, b2, activation, checkpoint, _chunks(chunks))
+    return _ffn(x, w13, w2, gates, expert_ids, dispatch, b13, b2, activation, checkpoint, _chunks(chunks),
+                weight_layout)
