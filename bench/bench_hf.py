@@ -7,8 +7,12 @@ that the experts dominate a training step:
     olmoe        2048     1024       64      8      4     16 (16)
     qwen3_moe    2048      768       64      8      4     16 (4)
     mixtral      2048     4096        8      2      4     16 (8)
+    gpt_oss      2880     2880       32      4      4      8 (8)   (--families gpt_oss; head_dim 64)
 
-trained for --steps AdamW steps on batches of 16 x 2048 = 32k tokens, once per experts implementation:
+(gpt_oss: gpt-oss-20b's experts, stored as gpt-oss stores them: (E, in, out), interleaved gate/up columns, biases,
+the clamped SwiGLU; full attention in every layer, by transformers' eager attention, which is all it has for
+gpt-oss's attention sinks beside kernels it downloads: so 8 heads, not 64) trained for --steps AdamW steps on
+batches of 16 x 2048 = 32k tokens, once per experts implementation:
 "blazecore" (``import blazecore_torch.hf`` with its default settings: checkpoint policy
 ``blazecore_torch.hf.DEFAULT_CHECKPOINT``), "blazecore-ab" and "blazecore-none" (that policy set in the config),
 transformers' "grouped_mm" and, when time allows, "eager". Every implementation starts from the same weights
@@ -35,6 +39,7 @@ Usage (from the repository root, with the project installed: pip install -e .):
     python -m bench.bench_hf                                  # the three families, every implementation
     python -m bench.bench_hf --families olmoe --impls blazecore,grouped_mm --steps 6 --results-dir /tmp/out
     python -m bench.bench_hf --device cpu --families tiny --steps 3   # CPU smoke test of the flow (float32)
+    python -m bench.bench_hf --families gpt_oss                       # gpt-oss's expert storage
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ FAMILIES = {
     "olmoe": ("olmoe", 2048, 1024, 64, 8, 4, 16, 16),
     "qwen3_moe": ("qwen3_moe", 2048, 768, 64, 8, 4, 16, 4),
     "mixtral": ("mixtral", 2048, 4096, 8, 2, 4, 16, 8),
+    "gpt_oss": ("gpt_oss", 2880, 2880, 32, 4, 4, 8, 8),
     "tiny": ("olmoe", 32, 16, 6, 2, 2, 4, 2),  # the CPU smoke test
+    "tiny_gpt_oss": ("gpt_oss", 32, 16, 6, 2, 2, 4, 2),  # the CPU smoke test of gpt-oss's storage
 }
 # name: (transformers experts implementation, blazecore checkpoint policy, DEFAULT (the backend's default: no
 # blazecore_checkpoint in the config) or None)
@@ -85,6 +92,10 @@ def make_config(family: str, vocab: int, seq: int):
                      eos_token_id=2, tie_word_embeddings=False, use_cache=False)
     if kind == "olmoe":
         return transformers.OlmoeConfig(intermediate_size=h, num_experts=E, num_experts_per_tok=K, **common_kw)
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(intermediate_size=h, num_local_experts=E, num_experts_per_tok=K,
+                                         head_dim=64 if d >= 2048 else d // heads,
+                                         layer_types=["full_attention"] * layers, **common_kw)
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(moe_intermediate_size=h, intermediate_size=4 * h, num_experts=E,
                                            num_experts_per_tok=K, norm_topk_prob=True, decoder_sparse_step=1,
@@ -99,7 +110,8 @@ def build_model(cfg, device: str, dtype, seed: int):
     import transformers
 
     torch.manual_seed(seed)
-    kw = dict(attn_implementation="sdpa", experts_implementation="eager")
+    # (gpt-oss's attention sinks have no sdpa form in transformers)
+    kw = dict(attn_implementation="eager" if cfg.model_type == "gpt_oss" else "sdpa", experts_implementation="eager")
     with torch.device(device):
         try:
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kw)

@@ -374,6 +374,21 @@ def test_bench_moe_cpu_smoke(monkeypatch, tmp_path, capsys):
     assert "## all rows" in capsys.readouterr().out
 
 
+def test_bench_hf_cpu_smoke_gpt_oss_storage(monkeypatch, tmp_path):
+    """bench_hf's flow on the CPU (float32) with gpt-oss's expert storage ((E, in, out), interleaved gate/up columns,
+    biases): every implementation trains from the same weights and the blazecore ones pass the loss checks."""
+    import json
+
+    pytest.importorskip("transformers")
+    bench = _load_bench(monkeypatch, "bench_hf")
+    argv = ["--device", "cpu", "--families", "tiny_gpt_oss", "--steps", "2", "--impls", "blazecore,grouped_mm",
+            "--results-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = {r["impl"]: r for r in json.loads(next(tmp_path.glob("hf_*.json")).read_text())["rows"]}
+    assert set(rows) == {"blazecore", "grouped_mm"}
+    assert all(r["family"] == "tiny_gpt_oss" and len(r["losses"]) == 2 for r in rows.values()), rows
+
+
 def test_bench_moe_without_gpu_exits_cleanly(monkeypatch, capsys):
     bench = _load_bench(monkeypatch, "bench_moe")
     if torch.cuda.is_available():
