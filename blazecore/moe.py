@@ -97,21 +97,38 @@ def _check_dispatch_matches_ids_cpu(disp: Dispatch, ids: np.ndarray, E: int) -> 
             raise ValueError(f"dispatch.{name} does not match expert_ids (was the dispatch built from other ids?)")
 
 
-def ffn_shapes(x, w13, w2, gates, expert_ids, *, activation: str, b13=None, b2=None) -> tuple:
+def ffn_shapes(x, w13, w2, gates, expert_ids, *, activation: str, b13=None, b2=None,
+               weight_layout: str = "out_in") -> tuple:
     """The expert FFN's shape rules, on shapes alone: the one check that the core and the adapters share.
 
     Args:
         x, w13, w2, gates, expert_ids: the operands' shapes: x (L, d), w13 (E, R, d) with R = 2h for gated
-            activations (h otherwise), w2 (E, d, h), gates and expert_ids (L, K).
+            activations (h otherwise), w2 (E, d, h), gates and expert_ids (L, K); w13 (E, d, R) and w2 (E, h, d)
+            with ``weight_layout="in_out"``.
         activation: the activation's name (one of ACTIVATIONS).
         b13, b2: the optional biases' shapes, (E, R) and (E, d), or None.
+        weight_layout: how w13 and w2 are stored (one of WEIGHT_LAYOUTS).
 
     Returns:
         (L, d, E, R, h, K).
 
     Raises:
-        ValueError: a wrong rank or size (the message names the operand), K > E, sizes past the int32 limits.
+        ValueError: a wrong rank or size (the message names the operand, and for "in_out" the shapes it read), K > E,
+            sizes past the int32 limits, an unknown weight layout.
     """
+    check_weight_layout(weight_layout)
+    if weight_layout == "out_in" or not len(w13) == len(w2) == 3:
+        return _ffn_shapes(x, w13, w2, gates, expert_ids, activation, b13, b2)
+    s13, s2 = weight_dims(w13, w2, weight_layout)
+    try:
+        return _ffn_shapes(x, s13, s2, gates, expert_ids, activation, b13, b2)
+    except ValueError as exc:  # the shapes in the message are the (out, in) ones the check compares
+        raise ValueError(f"{exc} (weight_layout 'in_out': w13 {tuple(w13)} is read as {tuple(s13)}, "
+                         f"w2 {tuple(w2)} as {tuple(s2)})") from None
+
+
+def _ffn_shapes(x, w13, w2, gates, expert_ids, activation, b13, b2) -> tuple:
+    """:func:`ffn_shapes` on "out_in" shapes."""
     gated = activation_info(activation)
     for name, shape, ndim, what in (("x", x, 2, "(L, d) tokens"), ("w13", w13, 3, "(E, 2h or h, d) weights"),
                                     ("w2", w2, 3, "(E, d, h) weights"), ("gates", gates, 2, "(L, K) gates"),
@@ -178,16 +195,9 @@ def _intake_forward(x, w13, w2, gates, expert_ids, activation, checkpoint, b13, 
     if idt not in (np.dtype(np.int32), np.dtype(np.int64)):
         raise TypeError(f"expert_ids: dtype {idt.name} not supported (expected int32 or int64)")
 
-    w13_shape, w2_shape = weight_dims(w13.shape, w2.shape, weight_layout) if len(w13.shape) == len(w2.shape) == 3 \
-        else (w13.shape, w2.shape)
-    try:
-        L, d, E, R, h, K = ffn_shapes(x.shape, w13_shape, w2_shape, gates.shape, ids.shape, activation=activation,
-                                      b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
-    except ValueError as exc:
-        if weight_layout == "in_out":  # the shapes in the message are the (out, in) ones the check compares
-            raise ValueError(f"{exc} (weight_layout 'in_out': w13 {tuple(w13.shape)} is read as {tuple(w13_shape)}, "
-                             f"w2 {tuple(w2.shape)} as {tuple(w2_shape)})") from None
-        raise
+    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, ids.shape, activation=activation,
+                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape,
+                                  weight_layout=weight_layout)
 
     for name, a in arrays.items():
         _validate.check_contiguous(a, name)

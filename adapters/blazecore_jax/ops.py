@@ -64,7 +64,6 @@ import numpy as np
 
 import blazecore
 from blazecore import _array
-from blazecore._moe_common import check_weight_layout, weight_dims
 from blazecore.moe import ffn_shapes
 
 try:
@@ -236,7 +235,6 @@ def _check_ids(ids, name: str, L: int) -> int:
 def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoint: str, weight_layout="out_in"):
     """dtypes here (JAX's); shapes by the core's rules (``blazecore.moe.ffn_shapes``, the weights read in
     ``weight_layout``)."""
-    check_weight_layout(weight_layout)
     if checkpoint not in blazecore.CHECKPOINTS:
         raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
                          f"{', '.join(blazecore.CHECKPOINTS)})")
@@ -248,16 +246,9 @@ def _check_ffn(x, w13, w2, gates, expert_ids, b13, b2, activation: str, checkpoi
     _check_float(gates, "gates", (np.dtype(np.float32),))
     if _dtype(expert_ids) not in _INTS:
         raise TypeError(f"expert_ids: dtype {_dname(_dtype(expert_ids))}, expected int32 or int64")
-    s13, s2 = weight_dims(w13.shape, w2.shape, weight_layout) if len(w13.shape) == len(w2.shape) == 3 \
-        else (w13.shape, w2.shape)
-    try:
-        L, d, E, R, h, K = ffn_shapes(x.shape, s13, s2, gates.shape, expert_ids.shape, activation=activation,
-                                      b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape)
-    except ValueError as exc:
-        if weight_layout == "in_out":  # the shapes in the message are the (out, in) ones the check compares
-            raise ValueError(f"{exc} (weight_layout 'in_out': w13 {tuple(w13.shape)} is read as {tuple(s13)}, "
-                             f"w2 {tuple(w2.shape)} as {tuple(s2)})") from None
-        raise
+    L, d, E, R, h, K = ffn_shapes(x.shape, w13.shape, w2.shape, gates.shape, expert_ids.shape, activation=activation,
+                                  b13=None if b13 is None else b13.shape, b2=None if b2 is None else b2.shape,
+                                  weight_layout=weight_layout)
     return L, d, E, R, h, K, dt
 
 
