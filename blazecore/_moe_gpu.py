@@ -511,8 +511,9 @@ def _b_map(kern, which, B, ldb, b_estride, E, N, Kd, up=0):
     """The tensor map of an M-grouped kernel's B operand (see moe_gemm_sm90's tmap_b), or a null map when B comes
     by cp.async. K-major B (E, [2,] N, Kd): 4-D (Kd, N, halves, E), box (64, BN/2), the halves ``up`` rows apart
     (0: N; a gated launch over a column slice of h passes h); N-major (E, Kd, N): 3-D (N, Kd, E), box (64, 64), or
-    gated ("in_out" w13) 4-D (N, halves, Kd, E), box (64, 1, 64), the halves ``up`` columns apart. Encoded on the
-    host (no device work) and cached per pointer and shape."""
+    gated ("in_out" w13) 4-D (N, halves, Kd, E), box (64, 1, 64), the halves ``up`` columns apart. Interleaved
+    gate/up rows take the plain maps over their 2w rows (columns), the caller's N. Encoded on the host (no device
+    work) and cached per pointer and shape."""
     if kern.b_load != "tma" or getattr(_array, "dry", lambda: None)() is not None:
         return _tma.null_map()
     dt = "bfloat16" if kern.ct == "__nv_bfloat16" else "float16"
@@ -686,12 +687,12 @@ def check_shapes(x, w2):
         raise ValueError(f"the GPU kernels need d and h to be multiples of 8 (16-byte rows); got d={d}, h={h}")
 
 
-def check_aligned(rows: dict, pairs: dict) -> None:
+def check_aligned(rows: dict, pairs: dict | None = None) -> None:
     """GPU-path constraints on where operands start: ``rows`` (the matrices the kernels copy 16 bytes at a time and
     read by tensor maps) on a 16-byte boundary, ``pairs`` (the biases, read two elements at a time) on a boundary of
     two elements."""
     _validate.check_aligned(rows, 16)
-    for name, b in pairs.items():
+    for name, b in (pairs or {}).items():
         if b is not None:
             _validate.check_aligned({name: b}, 2 * b.dtype.itemsize)
 
@@ -1231,7 +1232,7 @@ def layer_backward(dy, saved: MoESaved, out_dx, out_dw13, out_dw2, out_dgates, s
         outs = grad_outs(saved, True, out_dx, out_dw13, out_dw2, out_dgates)
         dx, dw13, dw2, dgates, db13, db2 = outs
         if _array.dry() is None:
-            check_aligned({"dy": dy, "out_dx": dx.view, "out_dw13": dw13.view, "out_dw2": dw2.view}, {})
+            check_aligned({"dy": dy, "out_dx": dx.view, "out_dw13": dw13.view, "out_dw2": dw2.view})
         if int(saved.x.shape[0]) == 0:
             # no slot: weight gradients are zero, dx and dgates are empty
             for o in (dw13, dw2, db13, db2):

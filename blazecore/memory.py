@@ -174,8 +174,8 @@ def moe_memory(L: int, d: int, h: int, E: int, K: int, *, dtype="bfloat16", acti
         retain: the backward keeps the saved pre-activations (``retain=True``, e.g. the PyTorch adapter), so
             under "ab" dz takes its own buffer instead of overwriting them.
         act_in_operand: as ``moe_forward`` (with sm90 and "ab": no (L*K, h) activations in the forward).
-        weight_layout: as ``moe_forward`` ("in_out" weights stage no gathered rows for the weight gradients and keep
-            the activations under act_in_operand).
+        weight_layout: as ``moe_forward`` ("in_out" weights, like interleaved gate/up rows, keep the activations
+            under act_in_operand: there is no second GEMM that activates z for them).
 
     Raises:
         ValueError: an unknown policy, activation or weight layout, sizes < 1 (L < 0), K > E, chunks or
