@@ -12,7 +12,8 @@
 //   warpgroup 0     producer: 16-byte cp.async copies of the gathered A rows and of the B tile into a
 //                   STAGES-deep ring of shared-memory stages; each copy lands at its 128-byte-swizzle
 //                   position, and cp.async.mbarrier.arrive.noinc signals the stage's "full" barrier when
-//                   the thread's copies have landed (the tensor copy engine cannot gather rows on sm_90).
+//                   the thread's copies have landed (the tensor copy engine gathers rows only one box a row on
+//                   sm_90, which is slower: docs/sm90_kernels.md).
 //   warpgroups 1, 2 consumers: tile rows [64 (w-1), 64 w); wait "full", fence.proxy.async where cp.async writes
 //                   the stage (generic-proxy writes, wgmma reads through the async proxy), 4 x wgmma m64nBNk16 per
 //                   64-wide k-tile, commit, wait_group 1, then release the previous stage ("empty").
