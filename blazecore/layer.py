@@ -7,6 +7,8 @@ An adapter passes its ops module, which must provide ``route_topk``, ``build_dis
 
 from __future__ import annotations
 
+from ._moe_common import check_weight_layout  # noqa: F401  (the adapters' layers validate their layout with it)
+
 
 def _itemsize(dtype) -> int:
     import numpy as np
@@ -54,8 +56,22 @@ def layer_memory(L: int, d: int, h: int, E: int, K: int, *, dtype, activation: s
     return max(est.peak_bytes + beside, core_after + after)
 
 
+def expert_shapes(d: int, h: int, E: int, activation: str, weight_layout: str = "out_in") -> dict:
+    """The shapes of a MoE layer's expert parameters, by their transformers names: ``gate_up_proj`` (w13) and
+    ``down_proj`` (w2) in ``weight_layout`` ("out_in": (E, R, d) and (E, d, h); "in_out": (E, d, R) and (E, h, d)),
+    ``gate_up_proj_bias`` (E, R) and ``down_proj_bias`` (E, d), with R = 2h for gated activations, else h."""
+    from .moe import activation_info
+
+    check_weight_layout(weight_layout)
+    R = 2 * h if activation_info(activation) else h
+    t = weight_layout == "in_out"
+    return {"gate_up_proj": (E, d, R) if t else (E, R, d), "down_proj": (E, h, d) if t else (E, d, h),
+            "gate_up_proj_bias": (E, R), "down_proj_bias": (E, d)}
+
+
 def resolve_plan(chunks, checkpoint: str, L: int, d: int, h: int, E: int, K: int, *, dtype, activation: str,
-                 budget=None, free_bytes=None, retain: bool = False) -> tuple[int, str]:
+                 budget=None, free_bytes=None, retain: bool = False, bias: tuple[bool, bool] = (False, False),
+                 weight_layout: str = "out_in") -> tuple[int, str]:
     """The chunk count and checkpoint policy a layer runs.
 
     ``chunks`` an int runs as given; "auto" plans with :func:`blazecore.memory.plan_chunks` for ``budget`` bytes,
@@ -63,7 +79,8 @@ def resolve_plan(chunks, checkpoint: str, L: int, d: int, h: int, E: int, K: int
     :func:`layer_call_bytes` of it for what the layer holds beside the core. ``checkpoint`` "auto" lets the planner
     choose ("ab" if some chunk count fits with it, else "none"); with an int ``chunks`` it means "ab".
     ``free_bytes=None`` means no device (the reference path): one chunk. ``retain``: the adapter's backward keeps
-    the saved pre-activations (dz then takes its own buffer).
+    the saved pre-activations (dz then takes its own buffer). ``bias`` (whether b13 and b2 are given) and
+    ``weight_layout`` are the call's, as :func:`blazecore.moe_memory` takes them.
     """
     from .memory import _budget_bytes, plan_chunks
 
@@ -79,7 +96,7 @@ def resolve_plan(chunks, checkpoint: str, L: int, d: int, h: int, E: int, K: int
     beside, _ = layer_call_bytes(L, d, E, K, dtype=dtype)
     plan = plan_chunks(L, d, h, E, K, dtype=dtype, activation=activation,
                        checkpoint=None if checkpoint == "auto" else checkpoint, budget=budget, retain=retain,
-                       free_bytes=free_bytes, reserved=beside)
+                       free_bytes=free_bytes, reserved=beside, bias=tuple(bias), weight_layout=weight_layout)
     return plan.chunks, plan.checkpoint
 
 

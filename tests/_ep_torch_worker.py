@@ -48,7 +48,7 @@ def _routed_inputs(case, world, d, E):
     g = torch.Generator().manual_seed(1234 + world)
     counts = {"uneven": [5, 0, 9, 3], "empty_from_rank": [6, 7, 4, 5], "k_eq_e": [4, 3, 0, 6],
               "all_to_one": [5, 4, 6, 2], "none_ckpt": [7, 2, 5, 1], "expert_bias": [3, 8, 2, 6],
-              "float32": [9, 4, 6, 3]}[case][:world]
+              "float32": [9, 4, 6, 3], "in_out_biases": [6, 3, 7, 4]}[case][:world]
     xs = []
     for r, n in enumerate(counts):
         x = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -63,10 +63,11 @@ def _routed_inputs(case, world, d, E):
     return xs
 
 
-def _full_layer(d, h, E, K, activation="swiglu", checkpoint="ab", bias=False):
+def _full_layer(d, h, E, K, activation="swiglu", checkpoint="ab", bias=False, weight_layout="out_in",
+                ffn_bias=False):
     torch.manual_seed(7)
     full = blazecore_torch.MoELayer(d, h, E, K, activation=activation, checkpoint=checkpoint, expert_bias=bias,
-                                    dtype=torch.float64)
+                                    weight_layout=weight_layout, bias=ffn_bias, dtype=torch.float64)
     with torch.no_grad():
         w = torch.zeros(E, d, dtype=torch.float64)
         w[:, :E] = torch.eye(E, dtype=torch.float64)
@@ -81,11 +82,13 @@ def suite_layer(rank, world):
     cases = [("uneven", 8, 2, "swiglu", "ab"), ("empty_from_rank", 8, 3, "swiglu", "ab"),
              ("k_eq_e", 4, 4, "swiglu", "ab"), ("all_to_one", 4, 2, "gelu", "ab"),
              ("none_ckpt", 8, 2, "swiglu", "none"), ("expert_bias", 8, 2, "swiglu", "ab"),
-             ("float32", 8, 2, "swiglu", "ab")]
+             ("float32", 8, 2, "swiglu", "ab"), ("in_out_biases", 8, 2, "swiglu_interleaved", "ab")]
     for case, E, K, act, ck in cases:
         if E % world:
             continue
-        full = _full_layer(d, h, E, K, act, ck, bias=case == "expert_bias")
+        gpt_oss = case == "in_out_biases"  # gpt-oss's experts: "in_out" weights, interleaved rows, biases
+        full = _full_layer(d, h, E, K, act, ck, bias=case == "expert_bias",
+                           weight_layout="in_out" if gpt_oss else "out_in", ffn_bias=gpt_oss)
         xs = _routed_inputs(case, world, d, E)
         gdy = torch.Generator().manual_seed(99)
         dys = [torch.randn(x.shape, generator=gdy, dtype=torch.float64) for x in xs]
@@ -109,6 +112,11 @@ def suite_layer(rank, world):
         _close(f"{case}: dx", x.grad, x_all.grad[rows], rtol)
         _close(f"{case}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], rtol)
         _close(f"{case}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], rtol)
+        if gpt_oss:
+            assert ep.experts.weight_layout == "in_out" and ep.experts.gate_up_proj.shape[1] == d
+            _close(f"{case}: d gate_up_proj_bias", ep.experts.gate_up_proj_bias.grad, full.gate_up_proj_bias.grad[sl],
+                   rtol)
+            _close(f"{case}: d down_proj_bias", ep.experts.down_proj_bias.grad, full.down_proj_bias.grad[sl], rtol)
         drouter = ep.router.weight.grad.clone()
         dist.all_reduce(drouter)  # the router is replicated: its gradient sums over the ranks' tokens
         _close(f"{case}: d router", drouter, full.router.weight.grad, rtol)

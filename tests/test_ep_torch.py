@@ -56,7 +56,8 @@ def _launch(world: int, suite: str, timeout: float = 240) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_matches_single_process(world):
     outs = _launch(world, "layer")
-    cases = {"uneven", "empty_from_rank", "k_eq_e", "all_to_one", "none_ckpt", "expert_bias", "float32"}
+    cases = {"uneven", "empty_from_rank", "k_eq_e", "all_to_one", "none_ckpt", "expert_bias", "float32",
+             "in_out_biases"}
     for out in outs:
         done = {line.split()[1] for line in out.splitlines() if line.startswith("OK ")}
         assert done == cases, out

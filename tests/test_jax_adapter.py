@@ -84,9 +84,10 @@ def ref_z(logits):
     return jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
 
 
-def ref_layer(params, x, top_k, activation="swiglu", ids=None):
+def ref_layer(params, x, top_k, activation="swiglu", ids=None, weight_layout="out_in"):
     """The layer in jax.numpy. ``ids`` imposes a selection (one a lower-precision run made: selection has no
-    gradient); the gates still come from this computation's logits."""
+    gradient); the gates still come from this computation's logits. Projections stored ``weight_layout``, the
+    expert biases where ``params`` has them, interleaved gate/up rows with an "<gated>_interleaved" activation."""
     d = x.shape[-1]
     tokens = x.reshape(-1, d)
     logits = jnp.matmul(tokens, params["router"].T, precision=jax.lax.Precision.HIGHEST)
@@ -96,7 +97,15 @@ def ref_layer(params, x, top_k, activation="swiglu", ids=None):
     else:
         top = jnp.take_along_axis(jax.nn.softmax(logits, -1), ids, 1)
         gates = top / top.sum(-1, keepdims=True)
-    y = ref_ffn(tokens, params["gate_up_proj"], params["down_proj"], gates, ids, activation)
+    w13, w2 = params["gate_up_proj"], params["down_proj"]
+    if weight_layout == "in_out":
+        w13, w2 = jnp.swapaxes(w13, 1, 2), jnp.swapaxes(w2, 1, 2)
+    b13, b2 = params.get("gate_up_proj_bias"), params.get("down_proj_bias")
+    if activation.endswith("_interleaved"):  # rows [g0, u0, g1, u1, ...] -> [gate rows; up rows]
+        activation = activation.removesuffix("_interleaved")
+        w13 = jnp.concatenate((w13[:, 0::2], w13[:, 1::2]), 1)
+        b13 = None if b13 is None else jnp.concatenate((b13[:, 0::2], b13[:, 1::2]), 1)
+    y = ref_ffn(tokens, w13, w2, gates, ids, activation, b13, b2)
     return y.reshape(x.shape), {"load_balancing_loss": ref_lb(logits, ids), "z_loss": ref_z(logits)}
 
 
@@ -362,6 +371,49 @@ def test_layer_value_and_grad(activation, jit):
     assert y.shape == x.shape and y.dtype == x.dtype
     assert aux["tokens_per_expert"].shape == (6,) and int(aux["tokens_per_expert"].sum()) == 15 * 2
     assert aux["router_logits"].shape == (15, 6)
+
+
+@pytest.mark.parametrize("activation", ("swiglu", "gelu", "swiglu_interleaved"))
+@pytest.mark.parametrize("weight_layout,bias", [("out_in", True), ("in_out", False), ("in_out", True)],
+                         ids=lambda v: str(v))
+def test_layer_weight_layouts_and_biases(weight_layout, bias, activation):
+    """moe_layer on projections stored "in_out" and / or with expert biases: the loss and the gradients of x and of
+    every parameter (in the stored layout, the biases' included) against the jax.numpy layer; init_moe_params
+    gives the same weights for a key in every layout, with or without biases."""
+    d, h, E = 16, 8, 6
+    params = blazecore_jax.init_moe_params(jax.random.key(0), d, h, E, activation=activation,
+                                           weight_layout=weight_layout, bias=bias)
+    plain = blazecore_jax.init_moe_params(jax.random.key(0), d, h, E, activation=activation)
+    R = 2 * h if activation != "gelu" else h
+    t = weight_layout == "in_out"
+    want = {"router": (E, d), "gate_up_proj": (E, d, R) if t else (E, R, d), "down_proj": (E, h, d) if t else (E, d, h)}
+    if bias:
+        want.update(gate_up_proj_bias=(E, R), down_proj_bias=(E, d))
+    assert {k: v.shape for k, v in params.items()} == want
+    tr = (lambda w: jnp.swapaxes(w, 1, 2)) if t else (lambda w: w)
+    for k in ("gate_up_proj", "down_proj"):
+        np.testing.assert_array_equal(np.asarray(tr(params[k])), np.asarray(plain[k]))
+    np.testing.assert_array_equal(np.asarray(params["router"]), np.asarray(plain["router"]))
+    x = jax.random.normal(jax.random.key(1), (3, 5, d), jnp.float32)
+
+    def layer(p, x, top_k, activation):
+        return blazecore_jax.moe_layer(p, x, top_k=top_k, activation=activation, weight_layout=weight_layout)
+
+    def ref(p, x, top_k, activation):
+        return ref_layer(p, x, top_k, activation, weight_layout=weight_layout)
+
+    v, (gp, gx) = jax.jit(jax.value_and_grad(_layer_loss(layer, 2, activation), argnums=(0, 1)))(params, x)
+    rv, (rgp, rgx) = jax.value_and_grad(_layer_loss(ref, 2, activation), argnums=(0, 1))(params, x)
+    _close(v, rv, "loss")
+    _close(gx, rgx, "dx")
+    assert set(gp) == set(want)
+    for k in want:
+        assert gp[k].shape == want[k], k
+        _close(gp[k], rgp[k], f"d{k}")
+    with pytest.raises(ValueError, match="both expert biases or neither"):
+        blazecore_jax.moe_layer({**plain, "down_proj_bias": jnp.zeros((E, d))}, x, top_k=2, activation=activation)
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        blazecore_jax.moe_layer(plain, x, top_k=2, activation=activation, weight_layout="transposed")
 
 
 def test_layer_under_vmap():
@@ -741,6 +793,35 @@ def test_nnx_module_matches_functional_layer():
         model.update_expert_bias(aux["tokens_per_expert"])
     with pytest.raises(ValueError, match="top_k"):
         MoE(16, 8, 6, 7, rngs=nnx.Rngs(0))
+
+
+def test_nnx_module_weight_layout_and_biases():
+    nnx = pytest.importorskip("flax.nnx")
+    from blazecore_jax.nnx import MoE
+
+    model = MoE(16, 8, 6, 2, activation="swiglu_interleaved", weight_layout="in_out", bias=True,
+                rngs=nnx.Rngs(params=0))
+    params = model.param_dict()
+    assert {k: v.shape for k, v in params.items()} == {
+        "router": (6, 16), "gate_up_proj": (6, 16, 16), "down_proj": (6, 8, 16), "gate_up_proj_bias": (6, 16),
+        "down_proj_bias": (6, 16)}
+    x = jax.random.normal(jax.random.key(1), (3, 5, 16), jnp.float32)
+    y, _ = model(x)
+    fy, _ = blazecore_jax.moe_layer(params, x, top_k=2, activation="swiglu_interleaved", weight_layout="in_out")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(fy))
+
+    def loss(m, x):
+        y, aux = m(x)
+        return jnp.sum(y * y) + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["z_loss"]
+
+    grads = nnx.grad(loss)(model, x)
+
+    def ref(p, x, top_k, activation):
+        return ref_layer(p, x, top_k, activation, weight_layout="in_out")
+
+    rg = jax.grad(_layer_loss(ref, 2, "swiglu_interleaved"))(params, x)
+    for k in params:
+        _close(grads[k][...], rg[k], f"d{k}")
 
 
 def test_nnx_module_trains():

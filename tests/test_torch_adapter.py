@@ -206,8 +206,16 @@ def _reference_layer(layer: MoELayer, x, ids=None):
         gates = (top / top.sum(-1, keepdim=True) if layer.renormalize else top).to(gates.dtype)
     else:
         ids = own_ids
-    y = baselines.conventional_moe(tokens, layer.gate_up_proj, layer.down_proj, gates, ids,
-                                   activation=layer.activation)
+    w13, w2 = layer.gate_up_proj, layer.down_proj
+    if getattr(layer, "weight_layout", "out_in") == "in_out":  # the reference takes (E, R, d) and (E, d, h)
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    act, b13 = layer.activation, getattr(layer, "gate_up_proj_bias", None)
+    if act.endswith("_interleaved"):  # interleaved gate/up rows [g0, u0, g1, u1, ...] -> [gate rows; up rows]
+        act = act.removesuffix("_interleaved")
+        w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), 1)
+        b13 = None if b13 is None else torch.cat((b13[:, 0::2], b13[:, 1::2]), 1)
+    y = baselines.conventional_moe(tokens, w13, w2, gates, ids, activation=act, b13=b13,
+                                   b2=getattr(layer, "down_proj_bias", None))
     p = torch.softmax(logits.double(), -1)
     f = torch.bincount(ids.reshape(-1), minlength=layer.num_experts).double() / ids.numel()
     lb = layer.num_experts * (f * p.mean(0)).sum()
@@ -250,6 +258,60 @@ def test_layer_matches_conventional(dtype, activation, score, renormalize, check
         _close(grads[n], rgrads[n], dtype, f"d{n}")
     assert_close(lb.double().numpy(), rlb.double().numpy(), TOL[dtype], "load_balancing_loss")
     assert_close(z.double().numpy(), rz.double().numpy(), TOL[dtype], "z_loss")
+
+
+@pytest.mark.parametrize("activation", ("swiglu", "gelu", "swiglu_interleaved"))
+@pytest.mark.parametrize("weight_layout,bias", [("out_in", True), ("in_out", False), ("in_out", True)],
+                         ids=lambda v: str(v))
+def test_layer_weight_layouts_and_biases(weight_layout, bias, activation):
+    """MoELayer with its projections stored "in_out" and / or expert biases: y, dx and every parameter's gradient
+    (the biases' included, in the stored layout) against the conventional layer on the same parameters; and the
+    same seed gives the same weights in every layout, with or without biases."""
+    dtype = torch.float64
+    d, h, E, K = 16, 12, 6, 2
+    torch.manual_seed(3)
+    layer = MoELayer(d, h, E, K, activation=activation, weight_layout=weight_layout, bias=bias, dtype=dtype)
+    R = 2 * h if activation != "gelu" else h
+    t = weight_layout == "in_out"
+    assert layer.gate_up_proj.shape == ((E, d, R) if t else (E, R, d))
+    assert layer.down_proj.shape == ((E, h, d) if t else (E, d, h))
+    assert (layer.gate_up_proj_bias is not None) == bias and (layer.down_proj_bias is not None) == bias
+    if bias:
+        assert layer.gate_up_proj_bias.shape == (E, R) and layer.down_proj_bias.shape == (E, d)
+    torch.manual_seed(3)
+    plain = MoELayer(d, h, E, K, activation=activation, dtype=dtype)
+    tr = (lambda w: w.transpose(1, 2)) if t else (lambda w: w)
+    assert torch.equal(tr(layer.gate_up_proj), plain.gate_up_proj)
+    assert torch.equal(tr(layer.down_proj), plain.down_proj)
+    assert torch.equal(layer.router.weight, plain.router.weight)
+    x = torch.randn(3, 21, d, dtype=dtype)
+    dy = torch.randn(3, 21, d, dtype=dtype)
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        (y * dy).sum().backward()
+        return y.detach(), xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    y, dx, grads = run(lambda xx: layer(xx)[0])
+    ry, rdx, rgrads = run(lambda xx: _reference_layer(layer, xx)[0])
+    _close(y, ry, dtype, "y")
+    _close(dx, rdx, dtype, "dx")
+    assert set(grads) == set(rgrads) == {n for n, _ in layer.named_parameters()}
+    params = dict(layer.named_parameters())
+    for n in grads:
+        assert grads[n].shape == params[n].shape, n
+        _close(grads[n], rgrads[n], dtype, f"d{n}")
+    if bias:  # the biases take part: zeroing them changes y
+        with torch.no_grad():
+            layer.down_proj_bias.zero_()
+        assert not torch.allclose(layer(x)[0], y)
+
+
+def test_layer_bad_weight_layout():
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        MoELayer(8, 4, 4, 2, weight_layout="transposed")
 
 
 def test_layer_aux_and_expert_bias():
@@ -484,10 +546,16 @@ def test_import_blazecore_imports_no_framework():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("checkpoint", ("ab", "none"))
-def test_layer_gpu_matches_conventional(dtype, checkpoint):
+@pytest.mark.parametrize("storage", [("swiglu", "out_in", False), ("swiglu_interleaved", "in_out", True)],
+                         ids=("plain", "gpt_oss"))
+def test_layer_gpu_matches_conventional(dtype, checkpoint, storage):
+    """MoELayer on CUDA against the float64 conventional layer on the same parameters; "gpt_oss": the projections
+    "in_out" with interleaved gate/up rows and expert biases."""
     torch.manual_seed(0)
     d, h, E, K = 128, 256, 8, 2  # row lengths the sm90 / sm80 kernels take (multiples of 8 elements)
-    layer = MoELayer(d, h, E, K, checkpoint=checkpoint, device="cuda", dtype=dtype)
+    activation, weight_layout, bias = storage
+    cfg = {"activation": activation, "weight_layout": weight_layout, "bias": bias}
+    layer = MoELayer(d, h, E, K, checkpoint=checkpoint, device="cuda", dtype=dtype, **cfg)
     x = torch.randn(4, 63, d, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
 
@@ -507,7 +575,7 @@ def test_layer_gpu_matches_conventional(dtype, checkpoint):
     # float64 reference on the same parameters, with the selection the layer made (softmax is monotone,
     # so the top-k of the logits is the top-k of the scores)
     _, ids = torch.topk(aux["router_logits"].detach().float(), K, dim=-1)
-    layer_ref = MoELayer(d, h, E, K, device="cuda", dtype=torch.float64)
+    layer_ref = MoELayer(d, h, E, K, device="cuda", dtype=torch.float64, **cfg)
     layer_ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     xr = x.double().clone().requires_grad_()
     ry, rlb, rz = _reference_layer(layer_ref, xr, ids)

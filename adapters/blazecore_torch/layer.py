@@ -3,12 +3,16 @@
 Parameters are named and laid out like transformers' fused experts, so weights load from (and map to)
 an HF MoE block without reshaping:
 
-    router.weight   (E, d)        logits = x @ router.weight^T
-    gate_up_proj    (E, 2h, d)    rows [0, h) the gate projection, [h, 2h) the up projection
-                                  ((E, h, d) for non-gated activations)
-    down_proj       (E, d, h)
+    router.weight       (E, d)        logits = x @ router.weight^T
+    gate_up_proj        (E, 2h, d)    rows [0, h) the gate projection, [h, 2h) the up projection
+                                      ((E, h, d) for non-gated activations; interleaved gate/up rows with an
+                                      activation named "<gated>_interleaved")
+    down_proj           (E, d, h)
+    gate_up_proj_bias   (E, 2h)       with ``bias=True`` (gpt-oss's expert biases)
+    down_proj_bias      (E, d)
 
-which are blazecore's w13 and w2 as they are.
+which are blazecore's w13, w2, b13 and b2 as they are. With ``weight_layout="in_out"`` the two projections are
+stored transposed, as gpt-oss and Llama 4 store them: gate_up_proj (E, d, 2h), down_proj (E, h, d).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from torch import nn
 
 import blazecore
-from blazecore.layer import compose_moe_layer, resolve_plan
+from blazecore.layer import check_weight_layout, compose_moe_layer, resolve_plan
 
 from . import ops
 
@@ -28,23 +32,52 @@ __all__ = ["MoELayer", "add_moe_parameters", "reset_moe_parameters"]
 
 
 def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
-                       device=None, dtype=None) -> None:
+                       device=None, dtype=None, weight_layout: str = "out_in", bias: bool = False) -> None:
     """The parameters of a MoE layer (``MoELayer``, and any layer that wants the same state dict), initialised by
-    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)."""
+    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)
+    (``weight_layout="in_out"``: (E, d, rows) and (E, h, d)) and, with ``bias``, ``gate_up_proj_bias`` (E, rows) and
+    ``down_proj_bias`` (E, d). The layout is recorded as ``module.weight_layout``."""
     fk = {"device": device, "dtype": dtype}
-    module.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
-    module.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **fk))
-    module.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **fk))
+    d, h, E = hidden_size, intermediate_size, num_experts
+    t = check_weight_layout(weight_layout) == "in_out"
+    module.weight_layout = weight_layout
+    module.router = nn.Linear(d, E, bias=False, **fk)
+    module.gate_up_proj = nn.Parameter(torch.empty((E, d, rows) if t else (E, rows, d), **fk))
+    module.down_proj = nn.Parameter(torch.empty((E, h, d) if t else (E, d, h), **fk))
+    if bias:
+        module.gate_up_proj_bias = nn.Parameter(torch.empty(E, rows, **fk))
+        module.down_proj_bias = nn.Parameter(torch.empty(E, d, **fk))
+    else:
+        module.gate_up_proj_bias = module.down_proj_bias = None
     reset_moe_parameters(module)
 
 
+@torch.no_grad()
+def _uniform_stored(p: torch.Tensor, bound: float, transposed: bool) -> None:
+    """uniform(+-bound) drawn in the "out_in" shape and stored as ``p`` holds it (transposed for "in_out"), so a
+    seed gives the same weights in either layout."""
+    if not transposed:
+        nn.init.uniform_(p, -bound, bound)
+        return
+    w = torch.empty(p.shape[0], p.shape[2], p.shape[1], device=p.device, dtype=p.dtype)
+    nn.init.uniform_(w, -bound, bound)
+    p.copy_(w.transpose(1, 2))
+
+
 def reset_moe_parameters(module: nn.Module) -> None:
-    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router.
-    One order for every layer built by :func:`add_moe_parameters`, so the same seed gives the same weights."""
-    d, h = module.gate_up_proj.shape[2], module.down_proj.shape[2]
-    nn.init.uniform_(module.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
-    nn.init.uniform_(module.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
+    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router,
+    then the expert biases (if any, nn.Linear's bias bound). One order for every layer built by
+    :func:`add_moe_parameters`, so the same seed gives the same weights, whatever the layout and with or without
+    biases."""
+    t = getattr(module, "weight_layout", "out_in") == "in_out"
+    d = module.gate_up_proj.shape[1 if t else 2]
+    h = module.down_proj.shape[1 if t else 2]
+    _uniform_stored(module.gate_up_proj, 1 / math.sqrt(d), t)
+    _uniform_stored(module.down_proj, 1 / math.sqrt(h), t)
     module.router.reset_parameters()
+    if getattr(module, "gate_up_proj_bias", None) is not None:
+        nn.init.uniform_(module.gate_up_proj_bias, -1 / math.sqrt(d), 1 / math.sqrt(d))
+        nn.init.uniform_(module.down_proj_bias, -1 / math.sqrt(h), 1 / math.sqrt(h))
 
 
 class MoELayer(nn.Module):
@@ -72,6 +105,10 @@ class MoELayer(nn.Module):
         memory_budget: for "auto": bytes, or a fraction of the free device memory (default 0.9).
         retain_saved: keep the saved pre-activations intact through the backward so that a second backward
             through the same graph works (``blazecore_torch.moe_ffn``'s option; off by default).
+        weight_layout: "out_in" (default) or "in_out": how gate_up_proj and down_proj are stored (see the
+            module's docstring); read as stored, their gradients in the same layout.
+        bias: give the experts biases, ``gate_up_proj_bias`` (E, R) and ``down_proj_bias`` (E, d), trained with
+            the weights (gpt-oss's experts have them).
         device, dtype: of the parameters.
 
     ``forward(x)`` takes x (..., d) and returns ``(y, aux)``: y with x's shape and dtype, and aux a dict with
@@ -82,9 +119,11 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
                  expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None,
-                 retain_saved: bool = False, device=None, dtype=None):
+                 retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         gated = blazecore.activation_info(activation)
+        check_weight_layout(weight_layout)
         if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
             raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
                              f"{(*blazecore.CHECKPOINTS, 'auto')})")
@@ -103,7 +142,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
         self.chunks, self.memory_budget, self.retain_saved = chunks, memory_budget, bool(retain_saved)
         R = 2 * intermediate_size if gated else intermediate_size
-        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype)
+        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype,
+                           weight_layout=weight_layout, bias=bias)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
@@ -115,7 +155,8 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts}, top_k={self.top_k}, "
                 f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}, "
-                f"expert_bias={self.expert_bias is not None}, chunks={self.chunks}")
+                f"expert_bias={self.expert_bias is not None}, chunks={self.chunks}, "
+                f"weight_layout={self.weight_layout}, bias={self.gate_up_proj_bias is not None}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if x.shape[-1] != self.hidden_size:
@@ -131,11 +172,14 @@ class MoELayer(nn.Module):
                                           self.intermediate_size, self.num_experts, self.top_k,
                                           dtype=str(x.dtype).removeprefix("torch."), activation=self.activation,
                                           budget=self.memory_budget, free_bytes=self._free_bytes(x),
-                                          retain=self.retain_saved)
+                                          retain=self.retain_saved, bias=(self.gate_up_proj_bias is not None,) * 2,
+                                          weight_layout=self.weight_layout)
         y, aux = compose_moe_layer(ops, tokens, logits, self.gate_up_proj, self.down_proj, top_k=self.top_k,
                                    num_experts=self.num_experts, score=self.score, renormalize=self.renormalize,
                                    expert_bias=self.expert_bias, activation=self.activation,
-                                   checkpoint=checkpoint, chunks=chunks, retain_saved=self.retain_saved)
+                                   checkpoint=checkpoint, chunks=chunks, retain_saved=self.retain_saved,
+                                   b13=self.gate_up_proj_bias, b2=self.down_proj_bias,
+                                   weight_layout=self.weight_layout)
         return y.reshape(shape), aux
 
     @staticmethod

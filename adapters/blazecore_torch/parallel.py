@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 import blazecore
-from blazecore.layer import resolve_plan
+from blazecore.layer import check_weight_layout, resolve_plan
 
 from . import ops
 from .layer import MoELayer
@@ -191,30 +191,46 @@ class _Combine(torch.autograd.Function):
 
 class LocalExperts(nn.Module):
     """This rank's experts: ``gate_up_proj`` (E_local, R, d) and ``down_proj`` (E_local, d, h), blazecore's w13
-    and w2 (a submodule of its own so that FSDP2 can shard it over another mesh than the rest)."""
+    and w2 ((E_local, d, R) and (E_local, h, d) with ``weight_layout="in_out"``), and with ``bias`` their biases
+    ``gate_up_proj_bias`` (E_local, R) and ``down_proj_bias`` (E_local, d) (a submodule of its own so that FSDP2
+    can shard it over another mesh than the rest)."""
 
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, rows: int, *, device=None,
-                 dtype=None):
+                 dtype=None, weight_layout: str = "out_in", bias: bool = False):
         super().__init__()
         fk = {"device": device, "dtype": dtype}
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, rows, hidden_size, **fk))
-        self.down_proj = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size, **fk))
+        E, d, h = num_local_experts, hidden_size, intermediate_size
+        self.weight_layout = check_weight_layout(weight_layout)
+        t = weight_layout == "in_out"
+        self.gate_up_proj = nn.Parameter(torch.empty((E, d, rows) if t else (E, rows, d), **fk))
+        self.down_proj = nn.Parameter(torch.empty((E, h, d) if t else (E, d, h), **fk))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, rows, **fk))
+            self.down_proj_bias = nn.Parameter(torch.empty(E, d, **fk))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's default bound, like MoELayer
-        d, h = self.gate_up_proj.shape[2], self.down_proj.shape[2]
+        # nn.Linear's default bounds, like MoELayer
+        t = self.weight_layout == "in_out"
+        d, h = self.gate_up_proj.shape[1 if t else 2], self.down_proj.shape[1 if t else 2]
         nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
         nn.init.uniform_(self.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
+        if self.gate_up_proj_bias is not None:
+            nn.init.uniform_(self.gate_up_proj_bias, -1 / math.sqrt(d), 1 / math.sqrt(d))
+            nn.init.uniform_(self.down_proj_bias, -1 / math.sqrt(h), 1 / math.sqrt(h))
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor, dispatch: ops.TorchDispatch, *,
                 activation: str, checkpoint: str, chunks: int = 1, retain_saved: bool = False) -> torch.Tensor:
         """``ops.moe_ffn`` of x (n, d) with gates (n, K) and local expert ids (n, K) int32 in [0, E_local).
 
         A module call, not a parameter read, so that FSDP2's hooks gather the sharded weights around it."""
+        b13 = None if self.gate_up_proj_bias is None else _local(self.gate_up_proj_bias)
+        b2 = None if self.down_proj_bias is None else _local(self.down_proj_bias)
         return ops.moe_ffn(x, _local(self.gate_up_proj), _local(self.down_proj), gates, expert_ids,
                            activation=activation, checkpoint=checkpoint, dispatch=dispatch, chunks=chunks,
-                           retain_saved=retain_saved)
+                           retain_saved=retain_saved, b13=b13, b2=b2, weight_layout=self.weight_layout)
 
 
 class ExpertParallelMoELayer(nn.Module):
@@ -222,7 +238,8 @@ class ExpertParallelMoELayer(nn.Module):
 
     Args:
         hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, expert_bias,
-            checkpoint, chunks, memory_budget, retain_saved: as for :class:`blazecore_torch.MoELayer`. With
+            checkpoint, chunks, memory_budget, retain_saved, weight_layout, bias: as for
+            :class:`blazecore_torch.MoELayer`. With
             ``chunks="auto"`` the local experts' call is planned from the rows this rank actually received
             (known on the host after the count exchange), as tokens with K = 1 over E_local experts.
         group: the expert-parallel group: None (WORLD), a ProcessGroup, or a DeviceMesh (1-D, or one with
@@ -244,9 +261,11 @@ class ExpertParallelMoELayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
                  ep_dim: str = "ep", activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
                  expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None,
-                 retain_saved: bool = False, device=None, dtype=None):
+                 retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         gated = blazecore.activation_info(activation)
+        check_weight_layout(weight_layout)
         if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
             raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
                              f"{(*blazecore.CHECKPOINTS, 'auto')})")
@@ -271,7 +290,8 @@ class ExpertParallelMoELayer(nn.Module):
         fk = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
         R = 2 * intermediate_size if gated else intermediate_size
-        self.experts = LocalExperts(self.num_local_experts, hidden_size, intermediate_size, R, **fk)
+        self.experts = LocalExperts(self.num_local_experts, hidden_size, intermediate_size, R, **fk,
+                                    weight_layout=weight_layout, bias=bias)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
@@ -285,12 +305,14 @@ class ExpertParallelMoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts} "
                 f"({self.num_local_experts} local of ep_size {self.ep_size}), top_k={self.top_k}, "
-                f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}")
+                f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}, "
+                f"weight_layout={self.experts.weight_layout}, bias={self.experts.gate_up_proj_bias is not None}")
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Copy a full layer's weights (``MoELayer``'s names: ``router.weight`` (E, d), ``gate_up_proj`` (E, R, d),
-        ``down_proj`` (E, d, h)) into this rank's router and expert slice."""
+        ``down_proj`` (E, d, h), in this layer's weight layout, and its expert biases if this layer has them) into
+        this rank's router and expert slice."""
         rng = self.local_expert_range
         sl = slice(rng.start, rng.stop)
         self.router.weight.copy_(state["router.weight"])
@@ -298,6 +320,9 @@ class ExpertParallelMoELayer(nn.Module):
             self.expert_bias.copy_(state["expert_bias"])
         self.experts.gate_up_proj.copy_(state["gate_up_proj"][sl])
         self.experts.down_proj.copy_(state["down_proj"][sl])
+        if self.experts.gate_up_proj_bias is not None:
+            self.experts.gate_up_proj_bias.copy_(state["gate_up_proj_bias"][sl])
+            self.experts.down_proj_bias.copy_(state["down_proj_bias"][sl])
 
     @classmethod
     def from_layer(cls, layer: nn.Module, *, group=None, ep_dim: str = "ep") -> ExpertParallelMoELayer:
@@ -307,7 +332,8 @@ class ExpertParallelMoELayer(nn.Module):
                  ep_dim=ep_dim, activation=layer.activation, score=layer.score, renormalize=layer.renormalize,
                  expert_bias=layer.expert_bias is not None, checkpoint=layer.checkpoint, chunks=layer.chunks,
                  memory_budget=layer.memory_budget, retain_saved=getattr(layer, "retain_saved", False),
-                 device=w.device, dtype=w.dtype)
+                 weight_layout=getattr(layer, "weight_layout", "out_in"),
+                 bias=getattr(layer, "gate_up_proj_bias", None) is not None, device=w.device, dtype=w.dtype)
         ep.load_full_state_dict(layer.state_dict())
         return ep
 
@@ -347,7 +373,9 @@ class ExpertParallelMoELayer(nn.Module):
         chunks, checkpoint = resolve_plan(self.chunks, self.checkpoint, x.shape[0], self.hidden_size,
                                           self.intermediate_size, E, K, dtype=str(x.dtype).removeprefix("torch."),
                                           activation=self.activation, budget=self.memory_budget,
-                                          free_bytes=MoELayer._free_bytes(x), retain=self.retain_saved)
+                                          free_bytes=MoELayer._free_bytes(x), retain=self.retain_saved,
+                                          bias=(self.experts.gate_up_proj_bias is not None,) * 2,
+                                          weight_layout=self.experts.weight_layout)
         return self.experts(x, gates, ids, dispatch, activation=self.activation, checkpoint=checkpoint, chunks=chunks,
                             retain_saved=self.retain_saved)
 
