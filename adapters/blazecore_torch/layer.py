@@ -28,20 +28,19 @@ from blazecore.layer import check_weight_layout, compose_moe_layer, resolve_plan
 
 from . import ops
 
-__all__ = ["MoELayer", "add_moe_parameters", "reset_moe_parameters"]
+__all__ = ["MoELayer", "add_expert_parameters", "add_moe_parameters", "reset_expert_biases", "reset_expert_weights",
+           "reset_moe_parameters"]
 
 
-def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
-                       device=None, dtype=None, weight_layout: str = "out_in", bias: bool = False) -> None:
-    """The parameters of a MoE layer (``MoELayer``, and any layer that wants the same state dict), initialised by
-    :func:`reset_moe_parameters`: ``router`` (E, d), ``gate_up_proj`` (E, rows, d), ``down_proj`` (E, d, h)
+def add_expert_parameters(module: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int, rows: int,
+                          *, weight_layout: str = "out_in", bias: bool = False, device=None, dtype=None) -> None:
+    """The experts' parameters, uninitialised: ``gate_up_proj`` (E, rows, d) and ``down_proj`` (E, d, h)
     (``weight_layout="in_out"``: (E, d, rows) and (E, h, d)) and, with ``bias``, ``gate_up_proj_bias`` (E, rows) and
-    ``down_proj_bias`` (E, d). The layout is recorded as ``module.weight_layout``."""
+    ``down_proj_bias`` (E, d) (else both None); the layout is recorded as ``module.weight_layout``."""
     fk = {"device": device, "dtype": dtype}
-    d, h, E = hidden_size, intermediate_size, num_experts
+    E, d, h = num_experts, hidden_size, intermediate_size
     t = check_weight_layout(weight_layout) == "in_out"
     module.weight_layout = weight_layout
-    module.router = nn.Linear(d, E, bias=False, **fk)
     module.gate_up_proj = nn.Parameter(torch.empty((E, d, rows) if t else (E, rows, d), **fk))
     module.down_proj = nn.Parameter(torch.empty((E, h, d) if t else (E, d, h), **fk))
     if bias:
@@ -49,35 +48,52 @@ def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: i
         module.down_proj_bias = nn.Parameter(torch.empty(E, d, **fk))
     else:
         module.gate_up_proj_bias = module.down_proj_bias = None
+
+
+def add_moe_parameters(module: nn.Module, hidden_size: int, intermediate_size: int, num_experts: int, rows: int, *,
+                       device=None, dtype=None, weight_layout: str = "out_in", bias: bool = False) -> None:
+    """The parameters of a MoE layer (``MoELayer``, and any layer that wants the same state dict), initialised by
+    :func:`reset_moe_parameters`: ``router`` (E, d) and the experts' (:func:`add_expert_parameters`)."""
+    module.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+    add_expert_parameters(module, num_experts, hidden_size, intermediate_size, rows, weight_layout=weight_layout,
+                          bias=bias, device=device, dtype=dtype)
     reset_moe_parameters(module)
 
 
+def _fan_ins(module: nn.Module) -> tuple[int, int]:
+    """(d, h): the fan-ins of the experts' two projections, whatever their layout."""
+    i = 1 if getattr(module, "weight_layout", "out_in") == "in_out" else 2
+    return module.gate_up_proj.shape[i], module.down_proj.shape[i]
+
+
 @torch.no_grad()
-def _uniform_stored(p: torch.Tensor, bound: float, transposed: bool) -> None:
-    """uniform(+-bound) drawn in the "out_in" shape and stored as ``p`` holds it (transposed for "in_out"), so a
-    seed gives the same weights in either layout."""
-    if not transposed:
-        nn.init.uniform_(p, -bound, bound)
+def reset_expert_weights(module: nn.Module) -> None:
+    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound, drawn in the
+    "out_in" shape and stored as the module holds it (transposed for "in_out"), so a seed gives the same weights
+    in either layout."""
+    t = getattr(module, "weight_layout", "out_in") == "in_out"
+    for p, fan_in in zip((module.gate_up_proj, module.down_proj), _fan_ins(module), strict=True):
+        w = torch.empty(p.shape[0], p.shape[2], p.shape[1], device=p.device, dtype=p.dtype) if t else p
+        nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if t:
+            p.copy_(w.transpose(1, 2))
+
+
+def reset_expert_biases(module: nn.Module) -> None:
+    """The expert biases, if the module has them: nn.Linear's bias bound uniform(+-1/sqrt(fan_in))."""
+    if getattr(module, "gate_up_proj_bias", None) is None:
         return
-    w = torch.empty(p.shape[0], p.shape[2], p.shape[1], device=p.device, dtype=p.dtype)
-    nn.init.uniform_(w, -bound, bound)
-    p.copy_(w.transpose(1, 2))
+    for b, fan_in in zip((module.gate_up_proj_bias, module.down_proj_bias), _fan_ins(module), strict=True):
+        nn.init.uniform_(b, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
 
 
 def reset_moe_parameters(module: nn.Module) -> None:
-    """Each expert as an nn.Linear pair: uniform(+-1/sqrt(fan_in)), nn.Linear's default bound; then the router,
-    then the expert biases (if any, nn.Linear's bias bound). One order for every layer built by
-    :func:`add_moe_parameters`, so the same seed gives the same weights, whatever the layout and with or without
-    biases."""
-    t = getattr(module, "weight_layout", "out_in") == "in_out"
-    d = module.gate_up_proj.shape[1 if t else 2]
-    h = module.down_proj.shape[1 if t else 2]
-    _uniform_stored(module.gate_up_proj, 1 / math.sqrt(d), t)
-    _uniform_stored(module.down_proj, 1 / math.sqrt(h), t)
+    """The experts' weights (:func:`reset_expert_weights`), then the router, then the expert biases. One order for
+    every layer built by :func:`add_moe_parameters`, so the same seed gives the same weights, whatever the layout
+    and with or without biases."""
+    reset_expert_weights(module)
     module.router.reset_parameters()
-    if getattr(module, "gate_up_proj_bias", None) is not None:
-        nn.init.uniform_(module.gate_up_proj_bias, -1 / math.sqrt(d), 1 / math.sqrt(d))
-        nn.init.uniform_(module.down_proj_bias, -1 / math.sqrt(h), 1 / math.sqrt(h))
+    reset_expert_biases(module)
 
 
 class MoELayer(nn.Module):

@@ -37,8 +37,6 @@ each expert's gradient already sums the tokens of its whole ep row.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -47,7 +45,7 @@ import blazecore
 from blazecore.layer import check_weight_layout, resolve_plan
 
 from . import ops
-from .layer import MoELayer
+from .layer import MoELayer, add_expert_parameters, reset_expert_biases, reset_expert_weights
 
 __all__ = [
     "ExpertParallelMoELayer",
@@ -198,28 +196,14 @@ class LocalExperts(nn.Module):
     def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, rows: int, *, device=None,
                  dtype=None, weight_layout: str = "out_in", bias: bool = False):
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
-        E, d, h = num_local_experts, hidden_size, intermediate_size
-        self.weight_layout = check_weight_layout(weight_layout)
-        t = weight_layout == "in_out"
-        self.gate_up_proj = nn.Parameter(torch.empty((E, d, rows) if t else (E, rows, d), **fk))
-        self.down_proj = nn.Parameter(torch.empty((E, h, d) if t else (E, d, h), **fk))
-        if bias:
-            self.gate_up_proj_bias = nn.Parameter(torch.empty(E, rows, **fk))
-            self.down_proj_bias = nn.Parameter(torch.empty(E, d, **fk))
-        else:
-            self.gate_up_proj_bias = self.down_proj_bias = None
+        add_expert_parameters(self, num_local_experts, hidden_size, intermediate_size, rows,
+                              weight_layout=weight_layout, bias=bias, device=device, dtype=dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # nn.Linear's default bounds, like MoELayer
-        t = self.weight_layout == "in_out"
-        d, h = self.gate_up_proj.shape[1 if t else 2], self.down_proj.shape[1 if t else 2]
-        nn.init.uniform_(self.gate_up_proj, -1 / math.sqrt(d), 1 / math.sqrt(d))
-        nn.init.uniform_(self.down_proj, -1 / math.sqrt(h), 1 / math.sqrt(h))
-        if self.gate_up_proj_bias is not None:
-            nn.init.uniform_(self.gate_up_proj_bias, -1 / math.sqrt(d), 1 / math.sqrt(d))
-            nn.init.uniform_(self.down_proj_bias, -1 / math.sqrt(h), 1 / math.sqrt(h))
+        reset_expert_weights(self)
+        reset_expert_biases(self)
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, expert_ids: torch.Tensor, dispatch: ops.TorchDispatch, *,
                 activation: str, checkpoint: str, chunks: int = 1, retain_saved: bool = False) -> torch.Tensor:
