@@ -2,11 +2,12 @@
 XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before JAX starts).
 
 ep_moe_layer under jit and grad against the single-device moe_layer on the same tokens: output and every
-gradient (x, router, gate_up_proj, down_proj), over a 1-D ("ep",) mesh and a 2-D ("dp", "ep") mesh, for
-skewed routings, an expert that gets nothing from some device, a device whose tokens all stay on its own
-experts (it sends nothing to the others), everything on one expert and K == E; bad input raising before
-anything runs. XLA:CPU has no ragged-all-to-all: on the CPU the "ragged" exchange runs on an emulation of it
-(all_gather and scatters, as its docstring specifies), which checks the offsets the exchange computes. Prints
+gradient (x, router, gate_up_proj, down_proj, and the expert biases where given), over a 1-D ("ep",) mesh and
+a 2-D ("dp", "ep") mesh, for skewed routings, gpt-oss's storage ("in_out", interleaved rows, expert biases), an
+expert that gets nothing from some device, a device whose tokens all stay on its own experts (it sends nothing
+to the others), everything on one expert and K == E; bad input raising before anything runs. XLA:CPU has no
+ragged-all-to-all: on the CPU the "ragged" exchange runs on an emulation of it (all_gather and scatters, as its
+docstring specifies), which checks the offsets the exchange computes. Prints
 "OK <case>" per case; a failure raises.
 """
 
@@ -80,20 +81,32 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return result
 
 
+def _gpt_oss_params(d, h, E):
+    """gpt-oss's storage of the same kind of experts: "in_out" projections, interleaved gate/up rows, biases."""
+    p = _params(d, h, E)
+    rng = np.random.default_rng(5)
+    return {"router": p["router"], "gate_up_proj": jnp.swapaxes(p["gate_up_proj"], 1, 2),
+            "down_proj": jnp.swapaxes(p["down_proj"], 1, 2),
+            "gate_up_proj_bias": jnp.asarray(rng.standard_normal((E, 2 * h)) * 0.1, jnp.float32),
+            "down_proj_bias": jnp.asarray(rng.standard_normal((E, d)) * 0.1, jnp.float32)}
+
+
 def check_case(mesh, case, E, K, exchange, d=12, h=6, per_dev=5):
     ep = int(mesh.shape["ep"])
     n_dev = mesh.devices.size
-    params = _params(d, h, E)
+    gpt_oss = case == "in_out_biases"
+    params = _gpt_oss_params(d, h, E) if gpt_oss else _params(d, h, E)
+    kw = {"weight_layout": "in_out", "activation": "swiglu_interleaved"} if gpt_oss else {}
     x = _tokens(case, n_dev, per_dev, d, E, ep)
     dy = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape), jnp.float32)
     bias = jnp.linspace(-1.0, 1.0, E) if case == "expert_bias" else None
 
     def loss_single(p, xx):
-        y, _ = moe_layer(p, xx, top_k=K, expert_bias=bias)
+        y, _ = moe_layer(p, xx, top_k=K, expert_bias=bias, **kw)
         return jnp.sum(y * dy), y
 
     def loss_ep(p, xx):
-        y, _ = ep_moe_layer(p, xx, mesh=mesh, top_k=K, expert_bias=bias, exchange=exchange)
+        y, _ = ep_moe_layer(p, xx, mesh=mesh, top_k=K, expert_bias=bias, exchange=exchange, **kw)
         return jnp.sum(y * dy), y
 
     (_, y_want), g_want = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1), has_aux=True))(params, x)
@@ -101,11 +114,12 @@ def check_case(mesh, case, E, K, exchange, d=12, h=6, per_dev=5):
     tag = f"{case} E={E} K={K} mesh={dict(mesh.shape)} {exchange}"
     _close(f"{tag}: y", y_got, y_want)
     _close(f"{tag}: dx", g_got[1], g_want[1])
-    for k in ("router", "gate_up_proj", "down_proj"):
+    assert set(g_got[0]) == set(params)
+    for k in params:
         _close(f"{tag}: d {k}", g_got[0][k], g_want[0][k])
     _, aux = jax.jit(lambda p, xx: ep_moe_layer(p, xx, mesh=mesh, top_k=K, expert_bias=bias,
-                                                exchange=exchange))(params, x)
-    _, aux_want = moe_layer(params, x, top_k=K, expert_bias=bias)
+                                                exchange=exchange, **kw))(params, x)
+    _, aux_want = moe_layer(params, x, top_k=K, expert_bias=bias, **kw)
     assert np.array_equal(np.asarray(aux["tokens_per_expert"]), np.asarray(aux_want["tokens_per_expert"]))
     print(f"OK {tag}", flush=True)
 
@@ -128,6 +142,9 @@ def check_errors(mesh):
     two = Mesh(np.array(jax.devices()[:2]), ("ep",))
     elsewhere = jax.device_put(x, jax.devices()[3])
     expect(ValueError, lambda: ep_moe_layer(params, elsewhere, mesh=two, top_k=2), "outside the mesh")
+    one_bias = {**params, "down_proj_bias": jnp.zeros((4, 12), jnp.float32)}
+    expect(ValueError, lambda: ep_moe_layer(one_bias, x, mesh=mesh, top_k=2), "both expert biases or neither")
+    expect(ValueError, lambda: ep_moe_layer(params, x, mesh=mesh, top_k=2, weight_layout="t"), "weight_layout")
     print("OK errors", flush=True)
 
 
@@ -143,6 +160,7 @@ def main():
         check_case(mesh1, "skewed", 8, 2, exchange)
         check_case(mesh1, "empty_from_rank", 8, 3, exchange)
         check_case(mesh2, "skewed", 4, 2, exchange)
+        check_case(mesh1, "in_out_biases", 8, 2, exchange)
         if exchange == "padded":  # the routing cases once; the ragged offsets are checked by the three above
             check_case(mesh1, "stays_local", 8, 2, exchange)
             check_case(mesh1, "k_eq_e", 4, 4, exchange)

@@ -2,7 +2,8 @@
 
 The CPU checks run tests/_ep_jax_worker.py in a subprocess with 4 host devices
 (``--xla_force_host_platform_device_count=4`` must be set before JAX starts): ep_moe_layer under jit and grad
-equals the single-device moe_layer (output and every gradient) on 1-D and 2-D meshes, for skewed routings, an
+equals the single-device moe_layer (output and every gradient) on 1-D and 2-D meshes, for skewed routings,
+gpt-oss's storage ("in_out" projections, interleaved rows, expert biases), an
 expert that gets nothing from some device, a device that sends nothing away, everything on one expert and
 K == E; bad input raises before anything runs. XLA:CPU has no ragged-all-to-all, so the CPU runs the padded
 exchange, and the ragged one over an emulation of ragged_all_to_all (its offsets checked); the GPU case runs both
@@ -33,7 +34,7 @@ def test_ep_on_four_host_devices():
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     done = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
-    assert len(done) == 11 and sum("ragged" in line for line in done) == 3, proc.stdout
+    assert len(done) == 13 and sum("ragged" in line for line in done) == 4, proc.stdout
 
 
 def _check_matches_moe_layer(devices, exchange: str, L: int) -> None:

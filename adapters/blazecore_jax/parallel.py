@@ -30,11 +30,14 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from blazecore.layer import check_weight_layout
+
 from . import ops
 
 __all__ = ["ep_moe_layer", "ep_moe_local", "ep_param_specs"]
 
 _PARAMS = ("router", "gate_up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def _shard_map():
@@ -56,11 +59,13 @@ def _exclusive_cumsum(a):
 
 def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, activation: str = "swiglu",
                  checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True, expert_bias=None,
-                 exchange: str | None = None, chunks: int = 1):
+                 exchange: str | None = None, chunks: int = 1, weight_layout: str = "out_in"):
     """The per-device body of :func:`ep_moe_layer`, to call inside a ``shard_map`` over ``axis``.
 
     Args:
-        params: this device's {"router": (E, d), "gate_up_proj": (E_local, R, d), "down_proj": (E_local, d, h)}.
+        params: this device's {"router": (E, d), "gate_up_proj": (E_local, R, d), "down_proj": (E_local, d, h)}
+            (in ``weight_layout``) and optionally the expert biases "gate_up_proj_bias" (E_local, R) and
+            "down_proj_bias" (E_local, d).
         x: (L, d) this device's tokens (float32, float16 or bfloat16, the parameters' dtype).
         axis: the mesh axis name of the experts; num_experts: E (= E_local * axis size).
         expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), the same on every device.
@@ -140,8 +145,12 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         local_id = jnp.where(valid, local_id, 0)
     recv_gates = jnp.where(valid, recv_gates, 0.0).reshape(cap, 1)
     recv_ids = jax.lax.stop_gradient(local_id.astype(jnp.int32).reshape(cap, 1))
+    # (the rows past what was received have zero tokens and gates: with biases their outputs are not zero, but no
+    # row of them is sent back, so they take no part in y or in any gradient)
     out = ops.moe_ffn(recv, w13, w2, recv_gates, recv_ids, activation=activation, checkpoint=checkpoint,
-                      dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks)
+                      dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks,
+                      b13=params.get("gate_up_proj_bias"), b2=params.get("down_proj_bias"),
+                      weight_layout=weight_layout)
     if exchange == "ragged":
         back_rows = back(out, n)
     else:
@@ -157,24 +166,29 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     return y, aux
 
 
-def ep_param_specs(axis: str = "ep") -> dict:
-    """PartitionSpecs of :func:`ep_moe_layer`'s parameters: the router replicated, the experts split on ``axis``."""
-    return {"router": P(), "gate_up_proj": P(axis), "down_proj": P(axis)}
+def ep_param_specs(axis: str = "ep", *, bias: bool = False) -> dict:
+    """PartitionSpecs of :func:`ep_moe_layer`'s parameters: the router replicated, the experts (and with ``bias``
+    their biases) split on ``axis``."""
+    specs = {"router": P(), "gate_up_proj": P(axis), "down_proj": P(axis)}
+    if bias:
+        specs.update({k: P(axis) for k in _BIASES})
+    return specs
 
 
 def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", activation: str = "swiglu",
                  checkpoint: str = "ab", score: str = "softmax", renormalize: bool = True, expert_bias=None,
-                 exchange: str | None = None, chunks: int = 1):
+                 exchange: str | None = None, chunks: int = 1, weight_layout: str = "out_in"):
     """Mixture-of-Experts layer with the experts split over the mesh axis ``axis`` (``jax.shard_map``).
 
     Args:
-        params: {"router": (E, d), "gate_up_proj": (E, R, d), "down_proj": (E, d, h)} as for
-            :func:`blazecore_jax.moe_layer` (global arrays; shard them with :func:`ep_param_specs` to keep each
-            device's experts on it).
+        params: {"router": (E, d), "gate_up_proj": (E, R, d), "down_proj": (E, d, h)} and optionally the expert
+            biases, as for :func:`blazecore_jax.moe_layer` (global arrays; shard them with :func:`ep_param_specs`
+            to keep each device's experts on it).
         x: (..., d) tokens; the flattened token count must divide by the mesh's device count. The tokens are
             split over every mesh axis (data-parallel axes and ``axis``), the experts over ``axis`` only.
         mesh: a ``jax.sharding.Mesh`` with an axis named ``axis``.
-        top_k, activation, checkpoint, score, renormalize, expert_bias, chunks: as for ``moe_layer``.
+        top_k, activation, checkpoint, score, renormalize, expert_bias, chunks, weight_layout: as for
+            ``moe_layer``.
         exchange: "ragged", "padded" or None (see :func:`ep_moe_local`).
 
     Returns:
@@ -188,14 +202,20 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     missing = [k for k in _PARAMS if k not in params]
     if missing:
         raise KeyError(f"params lacks {', '.join(missing)} (expected keys {', '.join(_PARAMS)})")
+    check_weight_layout(weight_layout)
+    given = [k for k in _BIASES if params.get(k) is not None]
+    if len(given) == 1:
+        raise ValueError(f"params has {given[0]} without {_BIASES[1 - _BIASES.index(given[0])]}: give both expert "
+                         "biases or neither")
     router, w13, w2 = (params[k] for k in _PARAMS)
     E, d = (int(s) for s in router.shape)
     ep = int(mesh.shape[axis])
     if E % ep:
         raise ValueError(f"num_experts = {E} is not divisible by the size {ep} of mesh axis {axis!r}: every device "
                          "must hold the same number of experts")
-    if int(w13.shape[0]) != E or int(w2.shape[0]) != E:
-        raise ValueError(f"router has {E} experts, gate_up_proj {int(w13.shape[0])}, down_proj {int(w2.shape[0])}")
+    if int(w13.shape[0]) != E or int(w2.shape[0]) != E or any(int(params[k].shape[0]) != E for k in given):
+        raise ValueError(f"router has {E} experts, gate_up_proj {int(w13.shape[0])}, down_proj {int(w2.shape[0])}"
+                         + "".join(f", {k} {int(params[k].shape[0])}" for k in given))
     if not x.shape or int(x.shape[-1]) != d:
         raise ValueError(f"x: last dimension {x.shape[-1] if x.shape else None}, expected hidden size d = {d}")
     if x.dtype != w13.dtype or router.dtype != w13.dtype:
@@ -203,7 +223,8 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     if not 1 <= int(top_k) <= E:
         raise ValueError(f"top_k = {top_k} must be in [1, E = {E}]")
     mesh_devices = set(mesh.devices.flat)
-    for name, a in (("x", x), ("router", router), ("gate_up_proj", w13), ("down_proj", w2)):
+    for name, a in (("x", x), ("router", router), ("gate_up_proj", w13), ("down_proj", w2),
+                    *((k, params[k]) for k in given)):
         devs = _committed_devices(a)
         if devs is not None and not devs <= mesh_devices:
             raise ValueError(f"{name} lives on {sorted(str(v) for v in devs)}, outside the mesh's devices "
@@ -214,7 +235,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     if int(tokens.shape[0]) % n_dev:
         raise ValueError(f"{int(tokens.shape[0])} tokens do not split evenly over the mesh's {n_dev} devices")
     all_axes = tuple(mesh.axis_names)
-    specs = ep_param_specs(axis)
+    specs = ep_param_specs(axis, bias=bool(given))
 
     if expert_bias is not None and tuple(expert_bias.shape) != (E,):
         raise ValueError(f"expert_bias: expected shape {(E,)}, got {tuple(expert_bias.shape)}")
@@ -223,7 +244,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     def body(p, t, b):
         y, aux = ep_moe_local(p, t, axis=axis, num_experts=E, top_k=int(top_k), activation=activation,
                               checkpoint=checkpoint, score=score, renormalize=renormalize, expert_bias=b,
-                              exchange=exchange, chunks=chunks)
+                              exchange=exchange, chunks=chunks, weight_layout=weight_layout)
         mean = {k: jax.lax.pmean(aux[k], all_axes) for k in ("load_balancing_loss", "z_loss")}
         return y, mean, jax.lax.psum(aux["tokens_per_expert"], all_axes)
 
@@ -231,7 +252,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     # against); the replicated outputs are made so by pmean / psum above
     fn = _shard_map()(body, mesh=mesh, in_specs=(specs, P(all_axes), P()), out_specs=(P(all_axes), P(), P()),
                       check_vma=False)
-    y, aux, counts = fn({k: params[k] for k in _PARAMS}, tokens, bias)
+    y, aux, counts = fn({k: params[k] for k in specs}, tokens, bias)
     aux = dict(aux, tokens_per_expert=counts)
     return y.reshape(shape), aux
 
