@@ -32,6 +32,28 @@ __all__ = ["MoELayer", "add_expert_parameters", "add_moe_parameters", "reset_exp
            "reset_moe_parameters"]
 
 
+def check_layer_options(hidden_size, intermediate_size, num_experts, top_k, *, activation: str, score: str,
+                        checkpoint: str, chunks, weight_layout: str) -> bool:
+    """The constructor arguments of a MoE layer (``MoELayer``, ``ExpertParallelMoELayer``), each a ValueError
+    naming it; returns whether the activation is gated."""
+    gated = blazecore.activation_info(activation)
+    check_weight_layout(weight_layout)
+    if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
+        raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
+                         f"{(*blazecore.CHECKPOINTS, 'auto')})")
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                    ("num_experts", num_experts), ("top_k", top_k)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+    if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
+        raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
+    return gated
+
+
 def add_expert_parameters(module: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int, rows: int,
                           *, weight_layout: str = "out_in", bias: bool = False, device=None, dtype=None) -> None:
     """The experts' parameters, uninitialised: ``gate_up_proj`` (E, rows, d) and ``down_proj`` (E, d, h)
@@ -138,24 +160,11 @@ class MoELayer(nn.Module):
                  retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False, device=None,
                  dtype=None):
         super().__init__()
-        gated = blazecore.activation_info(activation)
-        check_weight_layout(weight_layout)
-        if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
-            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
-                             f"{(*blazecore.CHECKPOINTS, 'auto')})")
-        if score not in ("softmax", "sigmoid"):
-            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
-        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                        ("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
+        gated = check_layer_options(hidden_size, intermediate_size, num_experts, top_k, activation=activation,
+                                    score=score, checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
-        if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
-            raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
         self.chunks, self.memory_budget, self.retain_saved = chunks, memory_budget, bool(retain_saved)
         R = 2 * intermediate_size if gated else intermediate_size
         add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype,

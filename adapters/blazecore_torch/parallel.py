@@ -41,11 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import blazecore
-from blazecore.layer import check_weight_layout, resolve_plan
+from blazecore.layer import resolve_plan
 
 from . import ops
-from .layer import MoELayer, add_expert_parameters, reset_expert_biases, reset_expert_weights
+from .layer import MoELayer, add_expert_parameters, check_layer_options, reset_expert_biases, reset_expert_weights
 
 __all__ = [
     "ExpertParallelMoELayer",
@@ -248,17 +247,8 @@ class ExpertParallelMoELayer(nn.Module):
                  retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False, device=None,
                  dtype=None):
         super().__init__()
-        gated = blazecore.activation_info(activation)
-        check_weight_layout(weight_layout)
-        if checkpoint not in (*blazecore.CHECKPOINTS, "auto"):
-            raise ValueError(f"unknown checkpoint policy {checkpoint!r} (expected one of "
-                             f"{(*blazecore.CHECKPOINTS, 'auto')})")
-        if score not in ("softmax", "sigmoid"):
-            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
-        if not ((isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1) or chunks == "auto"):
-            raise ValueError(f"chunks must be an int >= 1 or \"auto\", got {chunks!r}")
+        gated = check_layer_options(hidden_size, intermediate_size, num_experts, top_k, activation=activation,
+                                    score=score, checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)
         self.group = resolve_ep_group(group, ep_dim=ep_dim)
         self.ep_size = dist.get_world_size(self.group)
         self.ep_rank = dist.get_rank(self.group)
