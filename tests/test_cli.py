@@ -57,6 +57,12 @@ def test_train_options_map_to_config_fields():
     assert options == {"steps": 3, "n_layers": 1, "num_experts": 4, "impl": "conventional", "ckpt_dir": "d",
                        "resume": True, "stop_at": 2}
     assert cli._train_options(cli._parser().parse_args(["train"])) == {}  # everything from the device preset
+    args = cli._parser().parse_args(["train", "--weight-layout", "in_out", "--ffn-bias", "--activation",
+                                     "swiglu_oai_interleaved"])
+    assert cli._train_options(args) == {"weight_layout": "in_out", "ffn_bias": True,
+                                        "activation": "swiglu_oai_interleaved"}
+    with pytest.raises(SystemExit):  # only gated activations have an interleaved form
+        cli._parser().parse_args(["train", "--activation", "gelu_interleaved"])
 
 
 def test_every_train_option_is_a_config_field():

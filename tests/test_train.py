@@ -82,11 +82,42 @@ def test_baseline_matches_blazecore(dtype, rtol):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: blazecore {a} vs baseline {b}"
 
 
-def test_baseline_layer_is_a_drop_in():
+def test_gpt_oss_storage_trains_as_the_baseline(tmp_path):
+    """--weight-layout in_out --ffn-bias: blazecore and the conventional baseline start from the same weights and
+    give the same losses (float64); the model's expert parameters are stored so; a checkpoint written before these
+    fields existed resumes as one with their defaults."""
+    gpt = {"weight_layout": "in_out", "ffn_bias": True, "dtype": "float64", "steps": 3}
+    ours = _run(**gpt)
+    base = _run(**gpt, impl="conventional")
+    assert ours["init_sha256"] == base["init_sha256"] != _run(dtype="float64", steps=3)["init_sha256"]
+    for step, (a, b) in enumerate(zip(_losses(ours), _losses(base), strict=True), 1):
+        assert abs(a - b) <= 1e-9 * abs(b), f"step {step}: blazecore {a} vs baseline {b}"
+    cfg = train.make_config({**TINY, **gpt}, torch.device("cpu"))
+    moe = train.MoETransformer(cfg, 186).blocks[0].moe
+    assert moe.gate_up_proj.shape == (4, 32, 64) and moe.down_proj.shape == (4, 32, 32)
+    assert moe.gate_up_proj_bias.shape == (4, 64) and moe.down_proj_bias.shape == (4, 32)
+    # an older checkpoint (no weight_layout / ffn_bias in its configuration) resumes with their defaults
+    whole = _run(steps=3)
+    _run(steps=3, ckpt_dir=str(tmp_path), stop_at=1)
+    path = tmp_path / train.CHECKPOINT_FILE
+    ckpt = torch.load(path, weights_only=False)
+    for k in ("weight_layout", "ffn_bias"):
+        del ckpt["config"][k]
+    torch.save(ckpt, path)
+    assert _losses(_run(steps=3, ckpt_dir=str(tmp_path), resume=True)) == _losses(whole)
+    with pytest.raises(train.ConfigError, match="weight_layout out_in"):
+        _run(steps=3, ckpt_dir=str(tmp_path), resume=True, weight_layout="in_out")
+    with pytest.raises(train.ConfigError, match="weight layout"):
+        _run(weight_layout="transposed")
+
+
+@pytest.mark.parametrize("weight_layout,bias", [("out_in", False), ("in_out", True)], ids=("plain", "gpt_oss"))
+def test_baseline_layer_is_a_drop_in(weight_layout, bias):
     """BaselineMoELayer takes MoELayer's state dict and computes the same y and auxiliary losses (float64)."""
     torch.manual_seed(0)
-    ours = MoELayer(16, 8, 4, 2, dtype=torch.float64)
-    base = baseline.BaselineMoELayer(16, 8, 4, 2, dtype=torch.float64)
+    kw = {"weight_layout": weight_layout, "bias": bias}
+    ours = MoELayer(16, 8, 4, 2, dtype=torch.float64, **kw)
+    base = baseline.BaselineMoELayer(16, 8, 4, 2, dtype=torch.float64, **kw)
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
     base.load_state_dict(ours.state_dict())
     x = torch.randn(2, 5, 16, dtype=torch.float64)

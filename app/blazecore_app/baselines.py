@@ -318,12 +318,13 @@ class BaselineMoELayer(nn.Module):
     """``blazecore_torch.MoELayer``'s interface on the baselines: router -> top-k -> experts -> combine.
 
     Parameters are those of ``MoELayer`` (same names, shapes and default initialisation): ``router.weight``
-    (E, d), ``gate_up_proj`` (E, 2h, d) (or (E, h, d) for non-gated activations), ``down_proj`` (E, d, h),
-    so a state dict moves between the two unchanged.
+    (E, d), ``gate_up_proj`` (E, 2h, d) (or (E, h, d) for non-gated activations), ``down_proj`` (E, d, h)
+    (transposed with ``weight_layout="in_out"``) and with ``bias`` the expert biases ``gate_up_proj_bias`` and
+    ``down_proj_bias``, so a state dict moves between the two unchanged.
 
     Args:
-        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, device, dtype:
-            as for ``MoELayer``.
+        hidden_size, intermediate_size, num_experts, top_k, activation, score, renormalize, weight_layout, bias,
+            device, dtype: as for ``MoELayer``.
         implementation: "conventional" (:func:`conventional_moe`) or "grouped_mm" (:func:`grouped_mm_moe`).
 
     ``forward(x)`` takes x (..., d) and returns ``(y, aux)`` with y shaped like x and aux the dict of
@@ -333,7 +334,8 @@ class BaselineMoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
-                 implementation: str = "conventional", device=None, dtype=None):
+                 implementation: str = "conventional", weight_layout: str = "out_in", bias: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not supported by the baselines (supported: {ACTIVATIONS})")
@@ -349,7 +351,8 @@ class BaselineMoELayer(nn.Module):
         self.implementation = implementation
         self._moe = IMPLEMENTATIONS[implementation]
         R = 2 * intermediate_size if _ACTIVATIONS[activation][0] else intermediate_size
-        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype)
+        add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype,
+                           weight_layout=weight_layout, bias=bias)
 
     def reset_parameters(self) -> None:
         reset_moe_parameters(self)
@@ -365,7 +368,11 @@ class BaselineMoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         logits = self.router(tokens)
         gates, ids = route_topk(logits, self.top_k, score=self.score, renormalize=self.renormalize)
-        y = self._moe(tokens, self.gate_up_proj, self.down_proj, gates, ids, activation=self.activation)
+        w13, w2 = self.gate_up_proj, self.down_proj
+        if self.weight_layout == "in_out":  # the baselines take (E, R, d) and (E, d, h): transposed views
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        y = self._moe(tokens, w13, w2, gates, ids, activation=self.activation, b13=self.gate_up_proj_bias,
+                      b2=self.down_proj_bias)
         aux = {
             "load_balancing_loss": load_balancing_loss(logits, ids),
             "z_loss": router_z_loss(logits),

@@ -228,12 +228,17 @@ def _cmd_demo(args) -> int:
 # train
 # ---------------------------------------------------------------------------------------------
 
+# --activation's choices: blazecore's activations and the interleaved form of each gated one
+_ACTIVATION_NAMES = blazecore.ACTIVATIONS + tuple(f"{a}_interleaved" for a in blazecore.ACTIVATIONS
+                                                  if blazecore.activation_info(a))
+
 # command-line option -> training option (blazecore_app.train.TrainConfig field)
 _TRAIN_OPTIONS = {
     "steps": "steps", "batch": "batch", "seq_len": "seq_len", "d_model": "d_model", "layers": "n_layers",
     "heads": "n_heads", "experts": "num_experts", "top_k": "top_k", "expert_hidden": "expert_hidden", "lr": "lr",
     "warmup": "warmup", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "aux_loss_coef": "aux_loss_coef",
-    "z_loss_coef": "z_loss_coef", "activation": "activation", "checkpoint_policy": "checkpoint_policy",
+    "z_loss_coef": "z_loss_coef", "activation": "activation", "weight_layout": "weight_layout",
+    "checkpoint_policy": "checkpoint_policy",
     "chunks": "chunks", "seed": "seed", "device": "device", "dtype": "dtype", "ckpt": "ckpt_dir",
     "ckpt_every": "ckpt_every",
     "log": "log", "log_every": "log_every", "eval_batches": "eval_batches", "corpus_tokens": "corpus_tokens",
@@ -262,6 +267,8 @@ def _train_options(args) -> dict:
         options["impl"] = args.baseline
     if args.resume:
         options["resume"] = True
+    if args.ffn_bias:
+        options["ffn_bias"] = True
     return options
 
 
@@ -304,7 +311,11 @@ def _add_train_parser(sub) -> None:
     m.add_argument("--experts", type=POSITIVE_INT, help="E, experts per MoE layer")
     m.add_argument("--top-k", type=POSITIVE_INT, help="K, experts per token")
     m.add_argument("--expert-hidden", type=POSITIVE_INT, help="h, each expert's hidden width")
-    m.add_argument("--activation", choices=blazecore.ACTIVATIONS, help="expert activation (default swiglu)")
+    m.add_argument("--activation", choices=_ACTIVATION_NAMES,
+                   help="expert activation (default swiglu; a gated one + _interleaved: gate/up rows in pairs)")
+    m.add_argument("--weight-layout", choices=blazecore.WEIGHT_LAYOUTS,
+                   help="how the experts' projections are stored: out_in (default) or in_out (transposed, as gpt-oss)")
+    m.add_argument("--ffn-bias", action="store_true", help="give the experts biases (as gpt-oss's)")
     m.add_argument("--checkpoint-policy", choices=("ab", "none"),
                    help="blazecore: keep the pre-activations for the backward (ab, default) or recompute them (none)")
     m.add_argument("--chunks", type=_chunks,

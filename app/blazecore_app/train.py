@@ -61,7 +61,7 @@ IMPLS = ("blazecore", "conventional", "grouped_mm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 # fields that fix the model's parameters: a checkpoint resumes only with the same values
 MODEL_FIELDS = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "expert_hidden", "activation",
-                "corpus_seed")
+                "corpus_seed", "weight_layout", "ffn_bias")
 # fields of one invocation that a resumed run does not take from the checkpoint
 TRANSIENT_FIELDS = ("device", "resume", "stop_at")
 
@@ -101,6 +101,8 @@ class TrainConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     activation: str = "swiglu"
+    weight_layout: str = "out_in"  # how the experts' projections are stored ("in_out": transposed, as gpt-oss)
+    ffn_bias: bool = False  # expert biases (gpt-oss's experts have them)
     checkpoint_policy: str = "ab"
     chunks: int | str = 1  # token chunks of the blazecore layers (an int, or "auto": the memory planner)
     impl: str = "blazecore"
@@ -120,6 +122,11 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq_len
+
+
+# the model fields' defaults, for checkpoints written before a field existed
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                   if f.name in MODEL_FIELDS and f.default is not dataclasses.MISSING}
 
 
 class ConfigError(ValueError):
@@ -155,10 +162,12 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(d, eps=1e-6, **fk)
         if cfg.impl == "blazecore":
             self.moe = MoELayer(d, cfg.expert_hidden, cfg.num_experts, cfg.top_k, activation=cfg.activation,
-                                checkpoint=cfg.checkpoint_policy, chunks=cfg.chunks, **fk)
+                                checkpoint=cfg.checkpoint_policy, chunks=cfg.chunks, weight_layout=cfg.weight_layout,
+                                bias=cfg.ffn_bias, **fk)
         else:
             self.moe = _baseline.BaselineMoELayer(d, cfg.expert_hidden, cfg.num_experts, cfg.top_k,
-                                                  activation=cfg.activation, implementation=cfg.impl, **fk)
+                                                  activation=cfg.activation, implementation=cfg.impl,
+                                                  weight_layout=cfg.weight_layout, bias=cfg.ffn_bias, **fk)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -471,6 +480,7 @@ def make_config(options: dict, device: torch.device, checkpoint: dict | None = N
     values = dict(PRESETS[device.type])
     if checkpoint is not None:
         saved = checkpoint["config"]
+        saved = {**_MODEL_DEFAULTS, **saved}  # (fields added since the checkpoint was written: their defaults)
         clash = [k for k in MODEL_FIELDS if k in options and options[k] != saved[k]]
         if clash:
             raise ConfigError("the checkpoint's model differs: " + ", ".join(f"{k} {saved[k]} (asked {options[k]})"
@@ -499,8 +509,14 @@ def _check_config(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError("float64 runs only on the CPU (blazecore's float64 path is its NumPy reference)")
     if cfg.impl not in IMPLS:
         raise ConfigError(f"impl {cfg.impl!r}: expected one of {', '.join(IMPLS)}")
-    if cfg.activation not in blazecore.ACTIVATIONS:
-        raise ConfigError(f"activation {cfg.activation!r}: expected one of {', '.join(blazecore.ACTIVATIONS)}")
+    try:
+        blazecore.activation_info(cfg.activation)  # the names of ACTIVATIONS, and the gated ones + "_interleaved"
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.weight_layout not in blazecore.WEIGHT_LAYOUTS:
+        raise ConfigError(f"weight layout {cfg.weight_layout!r}: expected one of {', '.join(blazecore.WEIGHT_LAYOUTS)}")
+    if cfg.impl != "blazecore" and cfg.activation not in _baseline.ACTIVATIONS:
+        raise ConfigError(f"activation {cfg.activation!r}: the baselines take {', '.join(_baseline.ACTIVATIONS)}")
     if cfg.checkpoint_policy not in blazecore.CHECKPOINTS:
         raise ConfigError(f"checkpoint policy {cfg.checkpoint_policy!r}: expected one of "
                           f"{', '.join(blazecore.CHECKPOINTS)}")
@@ -693,7 +709,9 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
     say(f"blazecore train: a MoE transformer language model on the synthetic corpus "
         f"({corpus['vocab_size']} words, {_fmt_count(cfg.corpus_tokens)} tokens, 10% held out)")
     say(f"model: {cfg.n_layers} layers, d={cfg.d_model}, {cfg.n_heads} heads, MoE E={cfg.num_experts} "
-        f"K={cfg.top_k} h={cfg.expert_hidden} ({cfg.activation}); {_fmt_count(n_params)} parameters "
+        f"K={cfg.top_k} h={cfg.expert_hidden} ({cfg.activation}"
+        f"{'' if cfg.weight_layout == 'out_in' else ', weights ' + cfg.weight_layout}"
+        f"{', expert biases' if cfg.ffn_bias else ''}); {_fmt_count(n_params)} parameters "
         f"({_fmt_count(n_expert)} in experts), {cfg.dtype}")
     say(f"MoE: {_describe_impl(cfg)}")
     if par is not None:
