@@ -220,6 +220,15 @@ def test_grouped_mm_rejects_unaligned_width():
         )
 
 
+def test_supports_activation():
+    assert all(baselines.supports_activation(a) for a in baselines.ACTIVATIONS)
+    assert baselines.supports_activation("swiglu_oai_interleaved")
+    assert baselines.supports_activation("geglu_interleaved")
+    assert not baselines.supports_activation("gelu_interleaved") and not baselines.supports_activation("tanh")
+    with pytest.raises(ValueError, match="not supported by the baselines"):
+        baselines.BaselineMoELayer(8, 4, 4, 2, activation="relu2_interleaved")
+
+
 def test_bad_arguments():
     x, w13, w2 = torch.zeros(3, 8), torch.zeros(2, 16, 8), torch.zeros(2, 8, 8)
     g, ids = torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int64)
@@ -248,7 +257,7 @@ def _moe_ref_module():
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("activation", list(baselines.ACTIVATIONS))
+@pytest.mark.parametrize("activation", [*baselines.ACTIVATIONS, "swiglu_interleaved", "swiglu_oai_interleaved"])
 @pytest.mark.parametrize(
     "fn, dtype",
     [("conventional_moe", torch.float64), ("grouped_mm_moe", torch.float32)],
@@ -260,10 +269,11 @@ def test_activations_and_biases(fn, dtype, activation, bias):
         _require_grouped_mm(dtype)
     rng = np.random.default_rng(7)
     L, d, h, E, K = 29, 16, 8, 5, 2
-    R = 2 * h if activation in ("swiglu", "geglu") else h
+    R = 2 * h if activation.startswith(("swiglu", "geglu")) else h
     ids = _topk_ids(rng, L, E, K)
     x, dy = rng.standard_normal((L, d)), rng.standard_normal((L, d))
-    w13 = rng.standard_normal((E, R, d)) / np.sqrt(d)
+    # (swiglu_oai: pre-activations of spread 4, so that its clamps at +-7 are reached)
+    w13 = rng.standard_normal((E, R, d)) / np.sqrt(d) * (4.0 if "oai" in activation else 1.0)
     w2 = rng.standard_normal((E, d, h)) / np.sqrt(h)
     gates = rng.random((L, K))
     b13 = rng.standard_normal((E, R)) if bias else None

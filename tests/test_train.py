@@ -83,10 +83,12 @@ def test_baseline_matches_blazecore(dtype, rtol):
 
 
 def test_gpt_oss_storage_trains_as_the_baseline(tmp_path):
-    """--weight-layout in_out --ffn-bias: blazecore and the conventional baseline start from the same weights and
-    give the same losses (float64); the model's expert parameters are stored so; a checkpoint written before these
-    fields existed resumes as one with their defaults."""
-    gpt = {"weight_layout": "in_out", "ffn_bias": True, "dtype": "float64", "steps": 3}
+    """gpt-oss's experts (--weight-layout in_out --ffn-bias --activation swiglu_oai_interleaved): blazecore and the
+    conventional baseline start from the same weights and give the same losses (float64); the model's expert
+    parameters are stored so; a checkpoint written before these fields existed resumes as one with their
+    defaults."""
+    gpt = {"weight_layout": "in_out", "ffn_bias": True, "activation": "swiglu_oai_interleaved", "dtype": "float64",
+           "steps": 3}
     ours = _run(**gpt)
     base = _run(**gpt, impl="conventional")
     assert ours["init_sha256"] == base["init_sha256"] != _run(dtype="float64", steps=3)["init_sha256"]

@@ -45,6 +45,7 @@ __all__ = [
     "load_balancing_loss",
     "route_topk",
     "router_z_loss",
+    "supports_activation",
 ]
 
 
@@ -56,16 +57,51 @@ def _relu2(v):
     return F.relu(v).square()
 
 
-# name -> (gated, act). Gated: w13 (E, 2h, d) = [gate rows; up rows], hcur = act(a) * b.
-# Non-gated: w13 (E, h, d), hcur = act(z).
+_OAI_ALPHA, _OAI_LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
+
+
+def _oai_gate(a):
+    a = a.clamp(max=_OAI_LIMIT)
+    return a * torch.sigmoid(_OAI_ALPHA * a)
+
+
+def _oai_up(b):
+    return b.clamp(-_OAI_LIMIT, _OAI_LIMIT) + 1
+
+
+# name -> (gated, act). Gated: w13 (E, 2h, d) = [gate rows; up rows], hcur = act(a) * b ("swiglu_oai": act(a) *
+# up(b), _UP). Non-gated: w13 (E, h, d), hcur = act(z). A gated name + "_interleaved" takes the rows as
+# [g0, u0, g1, u1, ...] pairs (gpt-oss's storage).
 _ACTIVATIONS = {
     "swiglu": (True, F.silu),
     "geglu": (True, _gelu_tanh),
     "gelu": (False, _gelu_tanh),
     "silu": (False, F.silu),
     "relu2": (False, _relu2),
+    "swiglu_oai": (True, _oai_gate),
 }
+_UP = {"swiglu_oai": _oai_up}
 ACTIVATIONS = tuple(_ACTIVATIONS)
+_INTERLEAVED = "_interleaved"
+
+
+def _activation(name: str) -> tuple[bool, object, object, bool]:
+    """(gated, act, up, interleaved) of an activation name; ValueError for one the baselines lack."""
+    base = name.removesuffix(_INTERLEAVED)
+    if base not in _ACTIVATIONS or (base != name and not _ACTIVATIONS[base][0]):
+        raise ValueError(f"activation {name!r} is not supported by the baselines (supported: {ACTIVATIONS}, and "
+                         f"a gated one + {_INTERLEAVED!r})")
+    gated, act = _ACTIVATIONS[base]
+    return gated, act, _UP.get(base, lambda b: b), base != name
+
+
+def supports_activation(name: str) -> bool:
+    """Whether the baselines run the activation ``name``."""
+    try:
+        _activation(name)
+    except ValueError:
+        return False
+    return True
 
 
 class BaselineUnavailable(RuntimeError):
@@ -74,9 +110,7 @@ class BaselineUnavailable(RuntimeError):
 
 def _shapes(x, w13, w2, gates, expert_ids, activation, b13, b2):
     """Validate the layer's operands; returns (L, d, E, h, K)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not supported by the baselines (supported: {ACTIVATIONS})")
-    gated = _ACTIVATIONS[activation][0]
+    gated = _activation(activation)[0]
     if x.dim() != 2:
         raise ValueError(f"x: expected (L, d), got {tuple(x.shape)}")
     L, d = x.shape
@@ -104,10 +138,10 @@ def _shapes(x, w13, w2, gates, expert_ids, activation, b13, b2):
 
 def _hidden(z, activation):
     """hcur from the pre-activations z (n, R), unfused: every step is its own kernel and saved tensor."""
-    gated, act = _ACTIVATIONS[activation]
+    gated, act, up, interleaved = _activation(activation)
     if gated:
-        a, b = z.chunk(2, dim=-1)
-        return act(a) * b
+        a, b = (z[..., 0::2], z[..., 1::2]) if interleaved else z.chunk(2, dim=-1)
+        return act(a) * up(b)
     return act(z)
 
 
@@ -135,7 +169,8 @@ def conventional_moe(x, w13, w2, gates, expert_ids, *, activation="swiglu", b13=
         w2: (E, d, h), x's dtype.
         gates: (L, K) floating tensor (float32 in training), the router weight of each (token, k).
         expert_ids: (L, K) integer tensor (int32 or int64), values in [0, E).
-        activation: one of ACTIVATIONS: "swiglu", "geglu" (gated); "gelu", "silu", "relu2".
+        activation: one of ACTIVATIONS: "swiglu", "geglu", "swiglu_oai" (gated); "gelu", "silu", "relu2"; or a
+            gated one + "_interleaved" (w13's rows and b13 as [gate, up] pairs).
         b13: optional (E, 2h or h) bias of the first projection, x's dtype.
         b2: optional (E, d) bias of the second projection, x's dtype (scaled by the gate with the rest of o).
 
@@ -337,8 +372,7 @@ class BaselineMoELayer(nn.Module):
                  implementation: str = "conventional", weight_layout: str = "out_in", bias: bool = False,
                  device=None, dtype=None):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not supported by the baselines (supported: {ACTIVATIONS})")
+        gated = _activation(activation)[0]
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATIONS)}, got {implementation!r}")
         if score not in ("softmax", "sigmoid"):
@@ -350,7 +384,7 @@ class BaselineMoELayer(nn.Module):
         self.activation, self.score, self.renormalize = activation, score, renormalize
         self.implementation = implementation
         self._moe = IMPLEMENTATIONS[implementation]
-        R = 2 * intermediate_size if _ACTIVATIONS[activation][0] else intermediate_size
+        R = 2 * intermediate_size if gated else intermediate_size
         add_moe_parameters(self, hidden_size, intermediate_size, num_experts, R, device=device, dtype=dtype,
                            weight_layout=weight_layout, bias=bias)
 

@@ -515,8 +515,9 @@ def _check_config(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.weight_layout not in blazecore.WEIGHT_LAYOUTS:
         raise ConfigError(f"weight layout {cfg.weight_layout!r}: expected one of {', '.join(blazecore.WEIGHT_LAYOUTS)}")
-    if cfg.impl != "blazecore" and cfg.activation not in _baseline.ACTIVATIONS:
-        raise ConfigError(f"activation {cfg.activation!r}: the baselines take {', '.join(_baseline.ACTIVATIONS)}")
+    if cfg.impl != "blazecore" and not _baseline.supports_activation(cfg.activation):
+        raise ConfigError(f"activation {cfg.activation!r}: the baselines take {', '.join(_baseline.ACTIVATIONS)} "
+                          "and the gated ones + _interleaved")
     if cfg.checkpoint_policy not in blazecore.CHECKPOINTS:
         raise ConfigError(f"checkpoint policy {cfg.checkpoint_policy!r}: expected one of "
                           f"{', '.join(blazecore.CHECKPOINTS)}")
