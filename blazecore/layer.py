@@ -56,19 +56,6 @@ def layer_memory(L: int, d: int, h: int, E: int, K: int, *, dtype, activation: s
     return max(est.peak_bytes + beside, core_after + after)
 
 
-def expert_shapes(d: int, h: int, E: int, activation: str, weight_layout: str = "out_in") -> dict:
-    """The shapes of a MoE layer's expert parameters, by their transformers names: ``gate_up_proj`` (w13) and
-    ``down_proj`` (w2) in ``weight_layout`` ("out_in": (E, R, d) and (E, d, h); "in_out": (E, d, R) and (E, h, d)),
-    ``gate_up_proj_bias`` (E, R) and ``down_proj_bias`` (E, d), with R = 2h for gated activations, else h."""
-    from .moe import activation_info
-
-    check_weight_layout(weight_layout)
-    R = 2 * h if activation_info(activation) else h
-    t = weight_layout == "in_out"
-    return {"gate_up_proj": (E, d, R) if t else (E, R, d), "down_proj": (E, h, d) if t else (E, d, h),
-            "gate_up_proj_bias": (E, R), "down_proj_bias": (E, d)}
-
-
 def resolve_plan(chunks, checkpoint: str, L: int, d: int, h: int, E: int, K: int, *, dtype, activation: str,
                  budget=None, free_bytes=None, retain: bool = False, bias: tuple[bool, bool] = (False, False),
                  weight_layout: str = "out_in") -> tuple[int, str]:

@@ -109,7 +109,7 @@ def test_gpt_oss_storage_trains_as_the_baseline(tmp_path):
     assert _losses(_run(steps=3, ckpt_dir=str(tmp_path), resume=True)) == _losses(whole)
     with pytest.raises(train.ConfigError, match="weight_layout out_in"):
         _run(steps=3, ckpt_dir=str(tmp_path), resume=True, weight_layout="in_out")
-    with pytest.raises(train.ConfigError, match="weight layout"):
+    with pytest.raises(train.ConfigError, match="weight_layout must be one of"):
         _run(weight_layout="transposed")
 
 

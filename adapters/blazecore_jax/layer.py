@@ -37,6 +37,16 @@ _PARAMS = ("router", "gate_up_proj", "down_proj")
 _BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
+def expert_biases(params: dict) -> tuple:
+    """(b13, b2): the expert biases of a layer's ``params`` ("gate_up_proj_bias", "down_proj_bias"), or (None,
+    None); a ValueError where only one of them is given."""
+    given = [k for k in _BIASES if params.get(k) is not None]
+    if len(given) == 1:
+        raise ValueError(f"params has {given[0]} without {_BIASES[1 - _BIASES.index(given[0])]}: give both expert "
+                         "biases or neither")
+    return tuple(params.get(k) for k in _BIASES)
+
+
 def init_moe_params(key, hidden_size: int, intermediate_size: int, num_experts: int, *,
                     activation: str = "swiglu", dtype=jnp.float32, weight_layout: str = "out_in",
                     bias: bool = False) -> dict:
@@ -99,11 +109,7 @@ def moe_layer(params: dict, x, *, top_k: int, activation: str = "swiglu", checkp
         raise KeyError(f"params lacks {', '.join(missing)} (expected keys {', '.join(_PARAMS)})")
     t = check_weight_layout(weight_layout) == "in_out"
     router, w13, w2 = (params[k] for k in _PARAMS)
-    given = [k for k in _BIASES if params.get(k) is not None]
-    if len(given) == 1:
-        raise ValueError(f"params has {given[0]} without {_BIASES[1 - _BIASES.index(given[0])]}: give both expert "
-                         "biases or neither")
-    b13, b2 = (params.get(k) for k in _BIASES)
+    b13, b2 = expert_biases(params)
     if len(router.shape) != 2 or len(w13.shape) != 3 or len(w2.shape) != 3:
         raise ValueError(f"router {tuple(router.shape)} must be (E, d), gate_up_proj {tuple(w13.shape)} "
                          f"{'(E, d, R)' if t else '(E, R, d)'} and down_proj {tuple(w2.shape)} "

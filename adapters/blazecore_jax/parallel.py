@@ -33,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 from blazecore.layer import check_weight_layout
 
 from . import ops
+from .layer import _BIASES, expert_biases
 
 __all__ = ["ep_moe_layer", "ep_moe_local", "ep_param_specs"]
 
 _PARAMS = ("router", "gate_up_proj", "down_proj")
-_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def _shard_map():
@@ -147,9 +147,9 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     recv_ids = jax.lax.stop_gradient(local_id.astype(jnp.int32).reshape(cap, 1))
     # (the rows past what was received have zero tokens and gates: with biases their outputs are not zero, but no
     # row of them is sent back, so they take no part in y or in any gradient)
+    b13, b2 = expert_biases(params)
     out = ops.moe_ffn(recv, w13, w2, recv_gates, recv_ids, activation=activation, checkpoint=checkpoint,
-                      dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks,
-                      b13=params.get("gate_up_proj_bias"), b2=params.get("down_proj_bias"),
+                      dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks, b13=b13, b2=b2,
                       weight_layout=weight_layout)
     if exchange == "ragged":
         back_rows = back(out, n)
@@ -203,10 +203,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
     if missing:
         raise KeyError(f"params lacks {', '.join(missing)} (expected keys {', '.join(_PARAMS)})")
     check_weight_layout(weight_layout)
-    given = [k for k in _BIASES if params.get(k) is not None]
-    if len(given) == 1:
-        raise ValueError(f"params has {given[0]} without {_BIASES[1 - _BIASES.index(given[0])]}: give both expert "
-                         "biases or neither")
+    given = [k for k, b in zip(_BIASES, expert_biases(params), strict=True) if b is not None]
     router, w13, w2 = (params[k] for k in _PARAMS)
     E, d = (int(s) for s in router.shape)
     ep = int(mesh.shape[axis])

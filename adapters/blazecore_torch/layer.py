@@ -28,8 +28,8 @@ from blazecore.layer import check_weight_layout, compose_moe_layer, resolve_plan
 
 from . import ops
 
-__all__ = ["MoELayer", "add_expert_parameters", "add_moe_parameters", "reset_expert_biases", "reset_expert_weights",
-           "reset_moe_parameters"]
+__all__ = ["MoELayer", "add_expert_parameters", "add_moe_parameters", "check_layer_options", "reset_expert_biases",
+           "reset_expert_weights", "reset_moe_parameters"]
 
 
 def check_layer_options(hidden_size, intermediate_size, num_experts, top_k, *, activation: str, score: str,

@@ -47,6 +47,7 @@ from blazecore_torch import MoELayer
 from torch import nn
 
 import blazecore
+from blazecore.layer import check_weight_layout
 
 from . import baselines as _baseline
 from . import distributed
@@ -511,10 +512,9 @@ def _check_config(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(f"impl {cfg.impl!r}: expected one of {', '.join(IMPLS)}")
     try:
         blazecore.activation_info(cfg.activation)  # the names of ACTIVATIONS, and the gated ones + "_interleaved"
+        check_weight_layout(cfg.weight_layout)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.weight_layout not in blazecore.WEIGHT_LAYOUTS:
-        raise ConfigError(f"weight layout {cfg.weight_layout!r}: expected one of {', '.join(blazecore.WEIGHT_LAYOUTS)}")
     if cfg.impl != "blazecore" and not _baseline.supports_activation(cfg.activation):
         raise ConfigError(f"activation {cfg.activation!r}: the baselines take {', '.join(_baseline.ACTIVATIONS)} "
                           "and the gated ones + _interleaved")
