@@ -104,19 +104,13 @@ STAGES_DH90 = 3  # moe_dhcur_sm90's ring: 3 stages of 48 KB beside dh' and the z
 STAGE_ROWS_MODES = ("auto", "always", "never")
 STAGE_ROWS = "auto"
 STAGE_MIN_TILES = 32
-# SMs the backward's last dx combine (a stream of the per-slot rows at DRAM speed) takes beside dw13 (a GEMM that
-# leaves most of the DRAM bandwidth unused): the combine runs on a second stream on that many SMs while dw13 runs
-# persistent on the others, and the stream that called waits for both. 0 runs every combine in line. Same bits
-# either way (moe_combine_wide sums as moe_combine does). BLAZECORE_COMBINE_SMS overrides COMBINE_SMS.
-COMBINE_SMS = 8
-COMBINE_SMS_MAX = 64
 
 
 def settings() -> dict:
     """The sm_90a kernel settings the environment gives (each the module default where unset), validated:
     b_load (BLAZECORE_SM90_B_LOAD, B_LOADS), out_store (BLAZECORE_SM90_OUT_STORE, OUT_STORES), stage_rows
     (BLAZECORE_STAGE_ROWS, STAGE_ROWS_MODES), wgrad_cluster (BLAZECORE_SM90_CLUSTER, WGRAD_CLUSTERS) and dhcur
-    (BLAZECORE_SM90_DHCUR, DHCUR_FORMS), and combine_sms (BLAZECORE_COMBINE_SMS, 0 to COMBINE_SMS_MAX). A value
+    (BLAZECORE_SM90_DHCUR, DHCUR_FORMS). A value
     outside its list is a ValueError naming the variable and the list; the layer's entry points ask for them before
     any kernel runs."""
 
@@ -130,9 +124,7 @@ def settings() -> dict:
             "out_store": pick("BLAZECORE_SM90_OUT_STORE", OUT_STORE, OUT_STORES),
             "stage_rows": pick("BLAZECORE_STAGE_ROWS", STAGE_ROWS, STAGE_ROWS_MODES),
             "wgrad_cluster": int(pick("BLAZECORE_SM90_CLUSTER", WGRAD_CLUSTER, tuple(map(str, WGRAD_CLUSTERS)))),
-            "dhcur": pick("BLAZECORE_SM90_DHCUR", DHCUR, DHCUR_FORMS),
-            "combine_sms": int(pick("BLAZECORE_COMBINE_SMS", COMBINE_SMS,
-                                    tuple(map(str, range(COMBINE_SMS_MAX + 1)))))}
+            "dhcur": pick("BLAZECORE_SM90_DHCUR", DHCUR, DHCUR_FORMS)}
 
 
 @dataclass(frozen=True)
@@ -200,8 +192,7 @@ def _module_names(ct, act, t=False):
 
 def _helper_names(ct):
     staged = [f"blz::moe_gather_rows<{ct}, {v}>" for v in (8, 1)] if ct != "float" else []  # 16-bit: sm_90a only
-    return ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_combine_wide<{ct}>",
-            f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
+    return ["blz::moe_tile_offsets", f"blz::moe_combine<{ct}>", f"blz::moe_dgates<{ct}>", f"blz::moe_bias_grad<{ct}>",
             "blz::moe_dgates_small", "blz::moe_block_starts", "blz::moe_mark_seen", *staged]
 
 
@@ -319,35 +310,27 @@ _SM90_ONLY = {"gemm2z", *_STAGED}  # variants only the sm_90a kernels have
 _SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count() -> int:
+def _persistent_grid(grid):
+    """At most one CTA per SM of the current device: each walks the device-side tile list of the sm_90a M-grouped
+    kernel with a stride of the grid (any grid is correct; the full one gives each CTA one tile)."""
+    if _array.dry() is not None:
+        return int(grid)
     dev = _compile.current_device()
     n = _SM_COUNT.get(dev)
     if n is None:
         import cupy as cp
 
         n = _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
+    return max(1, min(int(grid), n))
 
 
-def _persistent_grid(grid, reserve=0):
-    """At most one CTA per SM of the current device (less ``reserve`` SMs left to a kernel beside it): each walks
-    the device-side tile list of the sm_90a kernel with a stride of the grid (any grid is correct; the full one gives
-    each CTA one tile)."""
-    if _array.dry() is not None:
-        return int(grid)
-    return max(1, min(int(grid), _sm_count() - reserve))
-
-
-def _persistent_cluster_grid(fn, kv, grid, cluster, reserve=0):
+def _persistent_cluster_grid(fn, kv, grid, cluster):
     """The persistent grid of a kernel in clusters of ``cluster`` CTAs: as many clusters as the device holds at once
-    (a cluster past those would run its whole share after the others), less one a ``cluster`` of the ``reserve``
-    SMs left to a kernel beside it and one more (a GPC with an odd count of free SMs holds one cluster fewer); the
-    full grid (one tile a CTA) where the driver cannot say."""
+    (a cluster past those would run its whole share after the others); the full grid (one tile a CTA) where the driver
+    cannot say."""
     if _array.dry() is not None:
         return int(grid)
     n = _compile.max_active_clusters(fn, kv.threads, kv.smem, cluster)
-    if n > 0 and reserve:
-        n -= -(-reserve // cluster) + 1
     return int(grid) if n <= 0 else cluster * max(1, min(int(grid) // cluster, n))
 
 
@@ -401,7 +384,7 @@ class _Kernels:
         if self.b_load not in B_LOADS:
             raise ValueError(f"b_load must be one of {B_LOADS}, got {self.b_load!r}")
         self.out_store, self.stage_rows, self.wgrad_cluster = st["out_store"], st["stage_rows"], st["wgrad_cluster"]
-        self.dhcur, self.combine_sms = st["dhcur"], st["combine_sms"]
+        self.dhcur = st["dhcur"]
         # path (GEMM_PATHS): wgmma kernels on Hopper for 16-bit types unless "mma_sync"; None: BLAZECORE_SM90=0
         # selects the mma.sync kernels (a dry run follows its own arch only: the memory model is a function of its
         # arguments) (the wgmma kernels read every weight layout: "out_in" or "in_out", [gate; up] or interleaved rows)
@@ -636,12 +619,11 @@ def _off32(a, ld) -> bool:
 
 
 def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,
-              num_kblocks, carry=None, carry_seen=None, flags=0, stage=None, reserve=0):
+              num_kblocks, carry=None, carry_seen=None, flags=0, stage=None):
     """One K-grouped GEMM (dw13, dw2; dw13s, dw2s with ``stage``, a :class:`_Staged` that A's gathered rows are
     staged into first, or were by an earlier launch): its KGroupedArgs (moe_args.cuh) and, on sm_90a, its tensor
     maps. With a ``carry``, ``flags`` is the chunk's position in the backward: 1 continues an earlier chunk's sums, 2
-    keeps them for a later one. ``reserve``: SMs a kernel on another stream runs on beside this one (sm_90a's
-    persistent grid leaves them out)."""
+    keeps them for a later one."""
     if stage is not None:
         A = stage.fill(kern, A, lda, disp, stream)
         lda = A.shape[1]
@@ -668,8 +650,7 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         cluster = kern.wgrad_cluster if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
     if kern.sm90:  # persistent: at most one CTA per SM (or as many clusters as are resident at once) walk the tiles
-        grid = (_persistent_grid(grid, reserve) if cluster == 1
-                else _persistent_cluster_grid(fn, kv, grid, cluster, reserve))
+        grid = _persistent_grid(grid) if cluster == 1 else _persistent_cluster_grid(fn, kv, grid, cluster)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 
 
@@ -687,50 +668,6 @@ def _combine(kern, rows, disp, K, out, d, stream, acc=None, mode=0):
     kern.fn(f"blz::moe_combine<{kern.ct}>")((out.shape[0],), (128,),
                                             (rows, disp.pair_slot, np.int32(K), np.int32(w), out, np.int64(d),
                                              _NULL if acc is None else acc, np.int32(mode)), stream=stream)
-
-
-_SIDE_STREAMS: dict[int, object] = {}
-
-
-def _side_stream():
-    """The current device's second stream (made at its first use), for a combine beside a GEMM."""
-    import cupy as cp
-
-    dev = _compile.current_device()
-    side = _SIDE_STREAMS.get(dev)
-    if side is None:
-        side = _SIDE_STREAMS[dev] = cp.cuda.Stream(non_blocking=True)
-    return side
-
-
-def _combine_beside(kern, rows, disp, K, out, d, stream):
-    """:func:`_combine` (no fp32 sum) started on the device's second stream on ``kern.combine_sms`` SMs, after what
-    ``stream`` has queued so far; the caller queues the GEMM that runs beside it (its persistent grid leaving
-    those SMs out) and then :func:`_join`s. Returns the event to join on, or None where the combine ran in line (a dry
-    run, or combine_sms 0)."""
-    if kern.combine_sms <= 0 or _array.dry() is not None:
-        _combine(kern, rows, disp, K, out, d, stream)
-        return None
-    import cupy as cp
-
-    side = _side_stream()
-    forked = cp.cuda.Event(block=False, disable_timing=True)  # one pair a call: safe from several host threads
-    forked.record(stream)
-    side.wait_event(forked)
-    kern.fn(f"blz::moe_combine_wide<{kern.ct}>")((kern.combine_sms,), (1024,),
-                                                 (rows, disp.pair_slot, np.int32(K), np.int32(rows.shape[1]), out,
-                                                  np.int64(d), _NULL, np.int32(0), np.int64(out.shape[0])),
-                                                 stream=side)
-    done = cp.cuda.Event(block=False, disable_timing=True)
-    done.record(side)
-    return done
-
-
-def _join(stream, done) -> None:
-    """``stream`` waits for a combine started by :func:`_combine_beside` (before its rows are freed or its output
-    read)."""
-    if done is not None:
-        stream.wait_event(done)
 
 
 def _tile_offsets(kern, disp, E, stream):
@@ -1027,17 +964,15 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
     del z, hg, hgbuf, dys
     _dgates(kern, part, tiles_nh, disp, E, LK, dy, saved.b2, K, d, dgates, stream)
     del part
-    # dw13_e = dz^T x_g (stored "in_out" (E, d, H2): dw13_e^T = x_g^T dz) and dx_t = sum_k dz_s w13_e (per-slot rows,
-    # then the deterministic combine, in column slices of dx when d is much wider than dz: dx_slices; each element's
-    # sum is the same, and the per-slot rows take (L*K, width)). On sm_90a dx goes first where dw13 allocates nothing
-    # (its rows not staged), so that dx's last combine streams its rows on a few SMs while dw13 runs on the others
-    # (_combine_beside); else dw13 first, so that its staged rows and dx's per-slot rows never coexist.
-    beside = kern.sm90 and kern.combine_sms > 0 and not _dw13_staged(kern, H2)
-    if not beside:
-        _dw13_part(kern, dz, x, dw13, db13, disp, 0, 0, H2, E, d, K, blk, nb, stream, carry, 0, flags)
-    dxs, done = None, None
-    sl = dx_slices(d, H2, lean=lean)
-    for i, (c0, c1) in enumerate(sl):
+    # dw13_e = dz^T x_g; stored "in_out" (E, d, H2): dw13_e^T = x_g^T dz
+    _dw13_part(kern, dz, x, dw13, db13, disp, 0, 0, H2, E, d, K, blk, nb, stream, carry, 0, flags)
+    if db2 is not None:
+        _db2(kern, dy, db2, disp, gates, E, K, d, stream, carry, flags)
+    _mark_seen(kern, disp, E, carry, flags, stream)
+    # dx_t = sum_k dz_s w13_e: per-slot rows, then the deterministic combine, in column slices of dx when d is
+    # much wider than dz (dx_slices): each element's sum is the same, and the per-slot rows take (L*K, width)
+    dxs = None
+    for c0, c1 in dx_slices(d, H2, lean=lean):
         w = c1 - c0
         if dxs is None:
             dxs = _array.empty_gpu((LK * w,), dt).view
@@ -1046,17 +981,7 @@ def _backward_chunk(kern, saved, dy, x, gates, disp, z, reuse_saved, block_token
         _launch_m(kern, "dx", _m_grid(LK, E, kern.tiles_n("dx", w)), stream, A=dz, lda=H2,
                   B=w13[:, c0:] if kern.t else w13[:, :, c0:], ldb=H2 if kern.t else d, b_estride=H2 * d,
                   disp=disp, tile_offsets=tile_offsets, E=E, N=w, Kd=H2, out=rows, ldo=w)
-        if beside and i == len(sl) - 1:
-            done = _combine_beside(kern, rows, disp, K, dx[:, c0:], d, stream)
-        else:
-            _combine(kern, rows, disp, K, dx[:, c0:], d, stream)
-    if beside:
-        _dw13_part(kern, dz, x, dw13, db13, disp, 0, 0, H2, E, d, K, blk, nb, stream, carry, 0, flags,
-                   reserve=kern.combine_sms if done is not None else 0)
-        _join(stream, done)
-    if db2 is not None:
-        _db2(kern, dy, db2, disp, gates, E, K, d, stream, carry, flags)
-    _mark_seen(kern, disp, E, carry, flags, stream)
+        _combine(kern, rows, disp, K, dx[:, c0:], d, stream)
     del dz, dxs
 
 
@@ -1082,16 +1007,10 @@ def _dy_stage(kern, slices, LK, d, dt):
     return _Staged(LK, d, dt)
 
 
-def _dw13_staged(kern, pw: int) -> bool:
-    """Whether dw13's launch over pw columns of dz stages x's gathered rows (an (L*K, d) transient)."""
-    return (kern.t or kern.sm90) and _stage_rows(kern, kern.tiles_n("dw13", pw))
-
-
-def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, i, flags, reserve=0):
+def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, stream, carry, i, flags):
     """dw13's rows [row0, row0 + pw) (stored "in_out": columns) and db13's elements from dz's columns [zc, zc + pw):
     dw13_e = dz^T x_g ("in_out": dw13_e^T = x_g^T dz). ``carry``: a chunked backward's sums (launch i of
-    wgrad_grids' order; db13's at elements E * row0.., each launch's (E, pw) apart); ``reserve``: SMs left to a
-    combine beside it (_combine_beside)."""
+    wgrad_grids' order; db13's at elements E * row0.., each launch's (E, pw) apart)."""
     H2 = dw13.shape[2 if kern.t else 1]
     ldz = dz.shape[1]
     dzp = dz[:, zc:]
@@ -1099,10 +1018,10 @@ def _dw13_part(kern, dz, x, dw13, db13, disp, zc, row0, pw, E, d, K, blk, nb, st
     if kern.t or kern.sm90:  # "in_out": W^T = x_g^T dz, stored as is; sm_90a: the same tiles stored transposed
         out, ldo = (dw13[:, :, row0:], H2) if kern.t else (dw13[:, row0:], d)
         tiles_n = kern.tiles_n("dw13", pw)
-        stage = _Staged(dz.shape[0], d, logical_dtype(x)) if _dw13_staged(kern, pw) else None
+        stage = _Staged(dz.shape[0], d, logical_dtype(x)) if _stage_rows(kern, tiles_n) else None
         _launch_k(kern, "dw13" if stage is None else "dw13s", E * -(-d // BM) * tiles_n, stream, A=x, lda=d, B=dzp,
                   ldb=ldz, disp=disp, E=E, M=d, N=pw, out=out, ldo=ldo,
-                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, stage=stage, reserve=reserve, **ck)
+                  o_estride=H2 * d, kblocks=blk, num_kblocks=nb, stage=stage, **ck)
         del stage
     else:
         _launch_k(kern, "dw13", E * -(-pw // BM) * kern.tiles_n("dw13", d), stream, A=dzp, lda=ldz, B=x, ldb=d,

@@ -48,90 +48,38 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
 // d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
 // acc_mode sums several launches' rows (the backward's slices of the reduction) in fp32 in acc, whose rows are
 // ldo apart as out's: 0 none (out = sum), 1 first (acc = sum), 2 next (acc += sum), 3 last (out = acc + sum).
-//
-// One item is a token's 16-byte column chunk c: its K rows' chunks are loaded up to COMBINE_BATCH at a time (all in
-// flight together), then added in k order to a sum that starts at 0, so both kernels below give the same bits.
-constexpr int COMBINE_BATCH = 8;
-
-template <typename T>
-__device__ __forceinline__ void combine_item(const T* __restrict__ src, const int* __restrict__ pair_slot, int topk,
-                                             int d, T* __restrict__ out, long long ldo, float* __restrict__ acc,
-                                             int acc_mode, long long t, int c) {
-  constexpr int EPC = 16 / sizeof(T);
-  float accv[EPC];
-#pragma unroll
-  for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
-  for (int k0 = 0; k0 < topk; k0 += COMBINE_BATCH) {
-    uint4 raw[COMBINE_BATCH];
-#pragma unroll
-    for (int j = 0; j < COMBINE_BATCH; ++j) {
-      if (k0 + j < topk) {
-        const long long s = __ldg(pair_slot + t * topk + k0 + j);
-        raw[j] = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < COMBINE_BATCH; ++j) {
-      if (k0 + j < topk) {
-        const T* vals = reinterpret_cast<const T*>(&raw[j]);
-#pragma unroll
-        for (int v = 0; v < EPC; ++v) accv[v] += to_f<T>(vals[v]);
-      }
-    }
-  }
-  float* ar = acc_mode ? acc + t * ldo + (long long)c * EPC : nullptr;
-  if (acc_mode >= 2) {
-#pragma unroll
-    for (int v = 0; v < EPC; ++v) accv[v] = ar[v] + accv[v];
-  }
-  if (acc_mode == 1 || acc_mode == 2) {
-#pragma unroll
-    for (int v = 0; v < EPC; ++v) ar[v] = accv[v];
-    return;
-  }
-  uint4 res;
-  T* rv = reinterpret_cast<T*>(&res);
-#pragma unroll
-  for (int v = 0; v < EPC; ++v) rv[v] = from_f<T>(accv[v]);
-  reinterpret_cast<uint4*>(out + t * ldo)[c] = res;
-}
-
-// One block a token.
 template <typename T>
 __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, const int* __restrict__ pair_slot,
                                                     int topk, int d, T* __restrict__ out, long long ldo,
                                                     float* __restrict__ acc, int acc_mode) {
   constexpr int EPC = 16 / sizeof(T);
-  for (int c = threadIdx.x; c * EPC < d; c += blockDim.x)
-    combine_item(src, pair_slot, topk, d, out, ldo, acc, acc_mode, (long long)blockIdx.x, c);
-}
-
-// The same sums on a few SMs beside a GEMM (the layer's backward runs it on a second stream while the next GEMM
-// runs on the other SMs): a grid of at most one 1024-thread block an SM walks the (token, chunk) items with a stride
-// of the grid, each thread COMBINE_BATCH 16-byte loads in flight, so a few SMs stream the rows at a good share of
-// the DRAM bandwidth.
-template <typename T>
-__global__ void __launch_bounds__(1024, 1) moe_combine_wide(const T* __restrict__ src,
-                                                            const int* __restrict__ pair_slot, int topk, int d,
-                                                            T* __restrict__ out, long long ldo,
-                                                            float* __restrict__ acc, int acc_mode,
-                                                            long long num_tokens) {
-  constexpr int EPC = 16 / sizeof(T);
-  const int chunks = d / EPC;  // d is a multiple of EPC (16-byte rows)
-  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long t = first / chunks;
-  int c = (int)(first - t * chunks);
-  const long long dt = stride / chunks;
-  const int dc = (int)(stride - dt * chunks);
-  while (t < num_tokens) {
-    combine_item(src, pair_slot, topk, d, out, ldo, acc, acc_mode, t, c);
-    t += dt;
-    c += dc;
-    if (c >= chunks) {
-      c -= chunks;
-      ++t;
+  const long long t = blockIdx.x;
+  for (int c = threadIdx.x; c * EPC < d; c += blockDim.x) {
+    float accv[EPC];
+#pragma unroll
+    for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
+    for (int k = 0; k < topk; ++k) {
+      const long long s = __ldg(pair_slot + t * topk + k);
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
+      const T* vals = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) accv[v] += to_f<T>(vals[v]);
     }
+    float* ar = acc_mode ? acc + t * ldo + (long long)c * EPC : nullptr;
+    if (acc_mode >= 2) {
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) accv[v] = ar[v] + accv[v];
+    }
+    if (acc_mode == 1 || acc_mode == 2) {
+#pragma unroll
+      for (int v = 0; v < EPC; ++v) ar[v] = accv[v];
+      continue;
+    }
+    uint4 res;
+    T* rv = reinterpret_cast<T*>(&res);
+#pragma unroll
+    for (int v = 0; v < EPC; ++v) rv[v] = from_f<T>(accv[v]);
+    reinterpret_cast<uint4*>(out + t * ldo)[c] = res;
   }
 }
 
