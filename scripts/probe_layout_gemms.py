@@ -1,0 +1,80 @@
+"""Each GEMM's CUPTI kernel ms in the layer with its weights stored "out_in" and "in_out" (the same values), and
+with the output stores by TMA (the default) or by threads (``BLAZECORE_SM90_OUT_STORE=st_global``): one
+forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bf16, bench_gemm's problem, swiglu) at gpt-oss's shapes
+and olmoe's, the four runs in turn in each of 3 rounds (``bench_gemm.launcher_kernel_ms``, medians of 3 calls; "layer"
+the step's CUDA-event ms).
+
+Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_layout_gemms.py OUT.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+SHAPES = {"gpt_oss_20b": (2880, 2880, 32, 4), "gpt_oss_120b": (2880, 2880, 128, 4), "olmoe": (2048, 1024, 64, 8)}
+CASES = (("gpt_oss_20b", 32768), ("gpt_oss_120b", 16384), ("olmoe", 32768))
+ENV_SETS = {"tma": {}, "stg": {"BLAZECORE_SM90_OUT_STORE": "st_global"}}
+
+
+def _step(torch, ops, x, w13, w2, gates, ids, dy, disp, layout):
+    xs, ws1, ws2, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
+
+    def step():
+        y = ops.moe_ffn(xs, ws1, ws2, gs, ids, checkpoint="ab", dispatch=disp, weight_layout=layout)
+        return torch.autograd.grad(y, (xs, ws1, ws2, gs), dy)
+
+    return step
+
+
+def _with_env(env, fn):
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k in env:
+            os.environ.pop(k)
+
+
+def main(out: str) -> int:
+    import torch
+    from blazecore_torch import ops
+
+    import bench.bench_gemm as bg
+    from bench import _common as common
+
+    res: dict = {}
+    for shape, L in CASES:
+        d, h, E, K = SHAPES[shape]
+        x, w13, w2, gates, ids, dy = bg._problem(torch, d, h, E, K, L)
+        w13t, w2t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        disp = ops.build_dispatch(ids, E, validate=False)
+        steps = {"out_in": _step(torch, ops, x, w13, w2, gates, ids, dy, disp, "out_in"),
+                 "in_out": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out")}
+        for env in ENV_SETS.values():  # every kernel compiled and loaded
+            for s in steps.values():
+                _with_env(env, lambda s=s: (s(), s()))
+        torch.cuda.synchronize()
+        t0 = time.time()
+        while time.time() - t0 < 3:
+            steps["out_in"]()
+        for _ in range(3):
+            for lab, env in ENV_SETS.items():
+                for lay, s in steps.items():
+                    def timed(s=s):
+                        got = bg.launcher_kernel_ms(torch, s, 3)
+                        got["layer"] = common.cuda_time(s, warmup=0, repeats=3).median_ms
+                        return got
+                    for g, v in _with_env(env, timed).items():
+                        res.setdefault(shape, {}).setdefault(g, {}).setdefault(f"{lay}/{lab}", []).append(round(v, 4))
+        print(shape, json.dumps(res[shape]), flush=True)
+        del steps
+        torch.cuda.empty_cache()
+    with open(out, "w") as f:
+        json.dump({"header": common.gpu_header(), "ms": res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
