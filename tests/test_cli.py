@@ -250,6 +250,21 @@ def test_bench_without_gpu_fails_clearly(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_bench_harness_from_an_uninstalled_checkout(monkeypatch):
+    """With blazecore_app.bench not installed (the checkout on PYTHONPATH only), the bench command takes the
+    checkout's bench/ package; a module missing inside the harness still raises."""
+    import bench.bench_moe as want
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "blazecore_app.bench", None)  # an import of it now fails as not found
+        bench_moe, plot, report = cli._bench_modules()
+    assert bench_moe is want and plot is importlib.import_module("bench.plot")
+    assert report is importlib.import_module("bench.report")
+    monkeypatch.setitem(sys.modules, "blazecore_app.bench.plot", None)
+    with pytest.raises(ModuleNotFoundError, match="blazecore_app.bench.plot"):
+        cli._bench_modules()
+
+
 def test_demo_cpu(capsys):
     code, out, err = _main(["demo", "--tokens", "300", "--experts", "8", "--top-k", "2", "--device", "cpu",
                             "--repeats", "2"], capsys)

@@ -376,13 +376,29 @@ def _torch_gpu() -> tuple[bool, str]:
     return True, ""
 
 
+def _bench_modules():
+    """(bench_moe, plot, report) of the benchmark harness: the installed ``blazecore_app.bench``, or, where the
+    package runs from a source checkout that is on the path but not installed (``PYTHONPATH=...:app``), the
+    checkout's own ``bench/`` package."""
+    try:
+        from .bench import bench_moe, plot, report
+    except ModuleNotFoundError as exc:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if exc.name != f"{__package__}.bench" or not os.path.isfile(os.path.join(root, "bench", "bench_moe.py")):
+            raise
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from bench import bench_moe, plot, report
+    return bench_moe, plot, report
+
+
 def _cmd_bench(args) -> int:
     ok, why = _torch_gpu()
     if not ok:
         print(f"blazecore bench: needs a CUDA GPU, and {why}. Nothing was measured. (On a CPU machine, "
               "`blazecore train` runs the layer on the reference path.)", file=sys.stderr)
         return 1
-    from .bench import bench_moe, plot, report
+    bench_moe, plot, report = _bench_modules()
 
     if args.readme and not (report.ROOT / "README.md").is_file():
         raise UsageError("--readme regenerates the README of a source checkout; this blazecore is installed from "
