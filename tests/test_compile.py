@@ -1,4 +1,5 @@
-"""Every CUDA kernel compiles with NVRTC for sm_80 and sm_90a, without errors or ptxas warnings.
+"""Every CUDA kernel compiles with NVRTC for sm_80 and sm_90a, without errors, ptxas warnings or a wgmma pipeline that
+ptxas serializes ("Potential Performance Loss").
 
 Needs no GPU. Each (file, arch) compiles in a subprocess because NVRTC can crash the process.
 """
@@ -44,7 +45,9 @@ def test_kernels_compile(fname, arch):
     assert proc.returncode == 0, f"{fname} [{arch}] failed:\n{proc.stdout}\n{proc.stderr}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     log = result["log"]
-    bad = [ln for ln in log.splitlines() if "warning" in ln.lower() or "error" in ln.lower()]
+    # ptxas reports a serialized wgmma pipeline (C7515 and kin) as "info", not as a warning: fail on it too
+    bad = [ln for ln in log.splitlines()
+           if "warning" in ln.lower() or "error" in ln.lower() or "performance loss" in ln.lower()]
     assert not bad, f"{fname} [{arch}] compiler warnings:\n" + "\n".join(bad)
     assert result["bytes"] > 0
     assert set(result["lowered"]) == set(names)
