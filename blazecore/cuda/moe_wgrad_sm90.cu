@@ -1,10 +1,5 @@
 #include "sm90_common.cuh"
 
-// CARRY_IN launches prefetch the next tiles' carried sums into L2 (0: not; a timing switch, same results)
-#ifndef BLZ_CARRY_PREFETCH
-#define BLZ_CARRY_PREFETCH 1
-#endif
-
 namespace blz {
 
 // ---- K-grouped weight gradient (MODE_K, EPI_WGRAD) -------------------------------------------------------
@@ -202,12 +197,6 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     if (tid == 0) {
       if constexpr (A_TMA) sm90::tma_prefetch_map(&tmap_a);
       if constexpr (B_TMA) sm90::tma_prefetch_map(&tmap_b);
-      if constexpr (CARRY_IN && BLZ_CARRY_PREFETCH) {
-        // one CTA a tile: the CTA of tile v + (SM count) is about the next to start on some SM when this one ends;
-        // its carried sums (128 KB) go into L2 now, under this tile's mainloop, so that its loads at entry hit L2
-        const long long nv = blockIdx.x + sm90::sm_count();
-        if (nv < num_tiles) sm90::bulk_prefetch_l2(carry + nv * (BN / 2) * 256, (BN / 2) * 256 * sizeof(float));
-      }
     }
 
     int stage = 0, it = 0;  // ring position; k-tiles issued over all of the CTA's tiles
