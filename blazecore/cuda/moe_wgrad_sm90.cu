@@ -140,9 +140,8 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   const long long per_e = (long long)tiles_m * tiles_n;
   const long long num_tiles = (long long)num_experts * per_e;
   // persistent CTAs: CTA b takes tiles b, b + gridDim.x, ... (any grid is correct; CARRY_IN: at least one CTA a
-  // tile). CLUSTER = 2: the grid is even
-  // and the tile count too, so the CTAs 2c and 2c + 1 of a cluster take the tile pairs (2u, 2u + 1), u = c,
-  // c + gridDim.x / 2, ...: m-tiles 2j and 2j + 1 of one (expert, n-tile)
+  // tile). CLUSTER = 2: the grid is even and the tile count too, so the CTAs 2c and 2c + 1 of a cluster take the
+  // tile pairs (2u, 2u + 1), u = c, c + gridDim.x / 2, ...: m-tiles 2j and 2j + 1 of one (expert, n-tile)
   const long long tile_step = gridDim.x;
   if (CARRY_IN && tile_step < num_tiles) __trap();  // a CARRY_IN launch runs one tile a CTA (see the consumers)
   struct Tile {
