@@ -207,8 +207,9 @@ def scale_table(doc: dict) -> str:
            f"of the free memory) against the baselines ({_header_line(h)}); predicted = blazecore.moe_memory; "
            "MoELayer[...] rows: the PyTorch layer with chunks=\"auto\" (router, top-k and experts, autograd), "
            "predicted = blazecore.layer.layer_memory:", "",
-           "| impl | tokens | status | policy | chunks | fwd+bwd ms | TFLOP/s | peak GiB | predicted GiB | pred/meas |",
-           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| impl | tokens | status | policy | chunks | fwd+bwd ms | TFLOP/s | peak GiB | predicted GiB | pred/meas | "
+           "throughput vs 1 chunk |",
+           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
@@ -217,7 +218,8 @@ def scale_table(doc: dict) -> str:
         pk, pp = r.get("peak_bytes"), r.get("predicted_peak_bytes")
         out.append(f"| {r['impl']} | {_count(r['tokens'])} | {r['status']} | {r.get('checkpoint') or ''} | "
                    f"{r.get('chunks') or ''} | {f(r.get('fwd_bwd_ms'), '.1f')} | {f(r.get('fwd_bwd_tflops'), '.0f')} | "
-                   f"{f(pk and pk / 2**30, '.2f')} | {f(pp and pp / 2**30, '.2f')} | {f(r.get('peak_ratio'), '.3f')} |")
+                   f"{f(pk and pk / 2**30, '.2f')} | {f(pp and pp / 2**30, '.2f')} | {f(r.get('peak_ratio'), '.3f')} | "
+                   f"{f(r.get('throughput_vs_unchunked'), '.3f')} |")
     if summ:
         out += ["", "Summary: " + "; ".join(f"{k} = {v}" for k, v in summ.items())]
     return "\n".join(out)
