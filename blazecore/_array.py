@@ -343,6 +343,13 @@ def current_stream(stream=None):
     return stream
 
 
+def stream_scope(stream=None, gpu: bool = True):
+    """``with stream_scope(stream, gpu):`` makes ``stream`` (as :func:`current_stream` takes it) CuPy's current stream,
+    so that the CuPy work of a call (its outputs' allocations, and their poison fills in tests) runs in order with the
+    kernels the call launches there; nothing for a CPU call or in a dry run."""
+    return current_stream(stream) if gpu else contextlib.nullcontext()
+
+
 def device_scope(device_id: int):
     """``with device_scope(i):`` makes GPU i current (``cupy.cuda.Device``); in a dry run it does nothing."""
     if _dry.get() is not None:

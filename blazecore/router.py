@@ -413,18 +413,19 @@ def route_topk(logits, top_k, *, score="softmax", renormalize=True, expert_bias=
     gpu = _validate.same_device(arrays)
     f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    gates = _array.out_or_empty(out_gates, (L, K), _float_out(f64), gpu, "out_gates")
-    ids = _array.out_or_empty(out_ids, (L, K), np.int32, gpu, "out_ids")
-    _check_out_device({**arrays, "out_gates": gates.view, "out_ids": ids.view})
-    if check_finite:
-        _validate.check_finite_arrays(arrays, stream)
-    if gpu:
-        launch_route_topk_fwd(x, bias, gates.view, ids.view, K, score_id, renormalize, stream)
-    else:
-        g, i = _ref.route_topk_forward(x, K, score=score, renormalize=renormalize, expert_bias=bias)
-        gates.view[...] = g
-        ids.view[...] = i
-    return like_caller(gates.user, logits), like_caller(ids.user, logits)
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        gates = _array.out_or_empty(out_gates, (L, K), _float_out(f64), gpu, "out_gates")
+        ids = _array.out_or_empty(out_ids, (L, K), np.int32, gpu, "out_ids")
+        _check_out_device({**arrays, "out_gates": gates.view, "out_ids": ids.view})
+        if check_finite:
+            _validate.check_finite_arrays(arrays, stream)
+        if gpu:
+            launch_route_topk_fwd(x, bias, gates.view, ids.view, K, score_id, renormalize, stream)
+        else:
+            g, i = _ref.route_topk_forward(x, K, score=score, renormalize=renormalize, expert_bias=bias)
+            gates.view[...] = g
+            ids.view[...] = i
+        return like_caller(gates.user, logits), like_caller(ids.user, logits)
 
 
 def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormalize=True, out=None, stream=None,
@@ -456,17 +457,18 @@ def route_topk_backward(dgates, logits, expert_ids, *, score="softmax", renormal
     gpu = _validate.same_device({"dgates": dg, "logits": x, "expert_ids": ids})
     _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    dt = logical_dtype(x)
-    dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
-    _check_out_device({"logits": x, "out": dx.view})
-    if gpu:
-        if validate:
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        dt = logical_dtype(x)
+        dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
+        _check_out_device({"logits": x, "out": dx.view})
+        if gpu:
+            if validate:
+                _check_id_values(ids, E, "expert_ids", distinct=True)
+            launch_route_topk_bwd(dg, x, ids, dx.view, score_id, renormalize, stream)
+        else:
             _check_id_values(ids, E, "expert_ids", distinct=True)
-        launch_route_topk_bwd(dg, x, ids, dx.view, score_id, renormalize, stream)
-    else:
-        _check_id_values(ids, E, "expert_ids", distinct=True)
-        dx.view[...] = _ref.route_topk_backward(dg, x, ids, score=score, renormalize=renormalize).astype(dt)
-    return like_caller(dx.user, logits)
+            dx.view[...] = _ref.route_topk_backward(dg, x, ids, score=score, renormalize=renormalize).astype(dt)
+        return like_caller(dx.user, logits)
 
 
 def _aux_forward(x, ids, want_lb: bool, want_z: bool, out, stream):
@@ -508,14 +510,15 @@ def load_balancing_loss(logits, expert_ids, *, out=None, stream=None, validate=F
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
     f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    if gpu:
-        if validate:
-            _check_id_values(ids, E, "expert_ids", distinct=False)
-        return _aux_forward(x, ids, True, False, out, stream)
-    _check_id_values(ids, E, "expert_ids", distinct=False)
-    res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
-    res.view[...] = _ref.load_balancing_loss(x, ids)
-    return like_caller(res.user, logits)
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        if gpu:
+            if validate:
+                _check_id_values(ids, E, "expert_ids", distinct=False)
+            return _aux_forward(x, ids, True, False, out, stream)
+        _check_id_values(ids, E, "expert_ids", distinct=False)
+        res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
+        res.view[...] = _ref.load_balancing_loss(x, ids)
+        return like_caller(res.user, logits)
 
 
 def router_z_loss(logits, *, out=None, stream=None):
@@ -533,11 +536,12 @@ def router_z_loss(logits, *, out=None, stream=None):
     gpu = _validate.same_device({"logits": x})
     f64 = _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    if gpu:
-        return _aux_forward(x, None, False, True, out, stream)
-    res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
-    res.view[...] = _ref.router_z_loss(x)
-    return like_caller(res.user, logits)
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        if gpu:
+            return _aux_forward(x, None, False, True, out, stream)
+        res = _array.out_or_empty(out, (), _float_out(f64), False, "out")
+        res.view[...] = _ref.router_z_loss(x)
+        return like_caller(res.user, logits)
 
 
 def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=None, validate=False):
@@ -563,25 +567,26 @@ def load_balancing_loss_backward(dloss, logits, expert_ids, *, out=None, stream=
     gpu = _validate.same_device({"logits": x, "expert_ids": ids})
     _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
-    dt = logical_dtype(x)
-    dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
-    _check_out_device({"logits": x, "out": dx.view})
-    if not gpu:
-        _check_id_values(ids, E, "expert_ids", distinct=False)
-        dx.view[...] = _ref.load_balancing_loss_backward(d_val, x, ids).astype(dt)
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
+        dt = logical_dtype(x)
+        dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
+        _check_out_device({"logits": x, "out": dx.view})
+        if not gpu:
+            _check_id_values(ids, E, "expert_ids", distinct=False)
+            dx.view[...] = _ref.load_balancing_loss_backward(d_val, x, ids).astype(dt)
+            return like_caller(dx.user, logits)
+        if validate:
+            _check_id_values(ids, E, "expert_ids", distinct=False)
+        if L == 0:
+            return like_caller(dx.user, logits)
+        R, G = aux_partial_blocks(L, E)
+        part_count = _array.empty_gpu((G, E), np.int32)
+        f = _array.empty_gpu((E,), np.float32)
+        launch_router_aux_partial(x, ids, None, None, part_count.view, R, stream)
+        launch_router_aux_finalize(None, part_count.view, None, L, K, E, None, None, f.view, stream)
+        launch_router_aux_bwd(x, f.view, d_ptr, d_val, None, 0.0, dx.view, stream)
         return like_caller(dx.user, logits)
-    if validate:
-        _check_id_values(ids, E, "expert_ids", distinct=False)
-    if L == 0:
-        return like_caller(dx.user, logits)
-    R, G = aux_partial_blocks(L, E)
-    part_count = _array.empty_gpu((G, E), np.int32)
-    f = _array.empty_gpu((E,), np.float32)
-    launch_router_aux_partial(x, ids, None, None, part_count.view, R, stream)
-    launch_router_aux_finalize(None, part_count.view, None, L, K, E, None, None, f.view, stream)
-    launch_router_aux_bwd(x, f.view, d_ptr, d_val, None, 0.0, dx.view, stream)
-    return like_caller(dx.user, logits)
 
 
 def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
@@ -602,12 +607,13 @@ def router_z_loss_backward(dloss, logits, *, out=None, stream=None):
     gpu = _validate.same_device({"logits": x})
     _f64_cpu(x, gpu)
     _check_stream(stream, gpu)
-    d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
-    dt = logical_dtype(x)
-    dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
-    _check_out_device({"logits": x, "out": dx.view})
-    if gpu:
-        launch_router_aux_bwd(x, None, None, 0.0, d_ptr, d_val, dx.view, stream)
-    else:
-        dx.view[...] = _ref.router_z_loss_backward(d_val, x).astype(dt)
-    return like_caller(dx.user, logits)
+    with _array.stream_scope(stream, gpu):  # outputs and their fills in order with the kernels
+        d_ptr, d_val = _check_dloss(dloss, gpu, "dloss")
+        dt = logical_dtype(x)
+        dx = _array.out_or_empty(out, (L, E), dt, gpu, "out")
+        _check_out_device({"logits": x, "out": dx.view})
+        if gpu:
+            launch_router_aux_bwd(x, None, None, 0.0, d_ptr, d_val, dx.view, stream)
+        else:
+            dx.view[...] = _ref.router_z_loss_backward(d_val, x).astype(dt)
+        return like_caller(dx.user, logits)

@@ -637,6 +637,45 @@ def test_gpu_non_default_stream_and_allocator():
     np.testing.assert_array_equal(to_numpy(ids), rids)
 
 
+@pytest.mark.gpu
+def test_gpu_outputs_on_the_callers_stream_while_the_current_one_is_busy():
+    """Each call allocates (and, in tests, poisons) its outputs on the stream it was given: with CuPy's current
+    stream kept busy, a fill left there would land after the kernels on ``stream`` and overwrite their results."""
+    import cupy as cp
+
+    rng = np.random.default_rng(11)
+    L, E, K = 4096, 64, 8
+    x = _logits(rng, L, E, BF16)
+    dgh = rng.standard_normal((L, K)).astype(np.float32)
+    xd, dg = to_backend(x, "gpu"), cp.asarray(dgh)
+    s = cp.cuda.Stream(non_blocking=True)
+    busy = cp.cuda.Stream(non_blocking=True)
+
+    def calls():
+        g, ids = rt.route_topk(xd, K, stream=s)
+        return (g, ids, rt.route_topk_backward(dg, xd, ids, stream=s), rt.load_balancing_loss(xd, ids, stream=s),
+                rt.router_z_loss(xd, stream=s), rt.load_balancing_loss_backward(1.0, xd, ids, stream=s),
+                rt.router_z_loss_backward(1.0, xd, stream=s))
+
+    calls()  # every kernel loaded first: loading a module waits for the whole device, which would hide the race
+    cp.cuda.Device().synchronize()
+    a = cp.ones((4096, 4096), cp.float32)
+    with busy:
+        for _ in range(20):  # tens of ms of work ahead of anything else queued on this stream
+            a = a @ a * np.float32(1e-4)
+        g, ids, dx, lb, z, dlb, dz = calls()
+    s.synchronize()
+    busy.synchronize()  # anything left on the busy stream has landed too
+    _, rids = ref.route_topk_forward(x, K)
+    np.testing.assert_array_equal(to_numpy(ids), rids)
+    assert_close(g, ref.gates_for_ids(x, rids, "softmax", True), GATE_TOL, "gates")
+    assert_close(dx, ref.route_topk_backward(dgh, x, rids), DX_TOL["bf16"], "dlogits")
+    assert_close(lb, np.asarray(ref.load_balancing_loss(x, rids)), LOSS_TOL, "load-balancing loss")
+    assert_close(z, np.asarray(ref.router_z_loss(x)), LOSS_TOL, "z-loss")
+    assert_close(dlb, ref.load_balancing_loss_backward(1.0, x, rids), DX_TOL["bf16"], "d load-balancing")
+    assert_close(dz, ref.router_z_loss_backward(1.0, x), DX_TOL["bf16"], "d z-loss")
+
+
 def test_kernel_table_is_registered():
     names = _compile.KERNELS["router.cu"]
     for kernel, ct, (w, v) in itertools.product(rt._ROW_KERNELS, rt._CTYPES.values(), rt._ROW_CONFIGS):
