@@ -251,15 +251,18 @@ def test_bench_without_gpu_fails_clearly(tmp_path):
 
 
 def test_bench_harness_from_an_uninstalled_checkout(monkeypatch):
-    """With blazecore_app.bench not installed (the checkout on PYTHONPATH only), the bench command takes the
-    checkout's bench/ package; a module missing inside the harness still raises."""
-    import bench.bench_moe as want
-
+    """With blazecore_app.bench not installed (the checkout on PYTHONPATH only), the bench command loads the
+    checkout's bench/ package under that name; a module missing inside the harness still raises."""
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "bench"
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "blazecore_app.bench", None)  # an import of it now fails as not found
-        bench_moe, plot, report = cli._bench_modules()
-    assert bench_moe is want and plot is importlib.import_module("bench.plot")
-    assert report is importlib.import_module("bench.report")
+        for sub in ("bench_moe", "plot", "report", "_common"):
+            m.delitem(sys.modules, f"blazecore_app.bench.{sub}", raising=False)
+        mods = cli._bench_modules()
+        assert sys.modules["blazecore_app.bench"].__file__ == str(bench_dir / "__init__.py")
+        assert [mod.__name__ for mod in mods] == [f"blazecore_app.bench.{n}" for n in ("bench_moe", "plot", "report")]
+        assert [pathlib.Path(mod.__file__) for mod in mods] == [bench_dir / f"{n}.py"
+                                                                 for n in ("bench_moe", "plot", "report")]
     monkeypatch.setitem(sys.modules, "blazecore_app.bench.plot", None)
     with pytest.raises(ModuleNotFoundError, match="blazecore_app.bench.plot"):
         cli._bench_modules()

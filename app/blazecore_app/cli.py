@@ -379,16 +379,20 @@ def _torch_gpu() -> tuple[bool, str]:
 def _bench_modules():
     """(bench_moe, plot, report) of the benchmark harness: the installed ``blazecore_app.bench``, or, where the
     package runs from a source checkout that is on the path but not installed (``PYTHONPATH=...:app``), the
-    checkout's own ``bench/`` package."""
+    checkout's own ``bench/`` package, loaded under that name (its modules import each other relatively)."""
     try:
         from .bench import bench_moe, plot, report
     except ModuleNotFoundError as exc:
+        name = f"{__package__}.bench"
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        if exc.name != f"{__package__}.bench" or not os.path.isfile(os.path.join(root, "bench", "bench_moe.py")):
+        init = os.path.join(root, "bench", "__init__.py")
+        if exc.name != name or not os.path.isfile(init):
             raise
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        from bench import bench_moe, plot, report
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[os.path.dirname(init)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        from .bench import bench_moe, plot, report
     return bench_moe, plot, report
 
 
