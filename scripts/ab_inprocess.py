@@ -8,7 +8,8 @@ sets share one warm GPU and alternate within each round, so the power cap's drif
 a round. Sets are ``LABEL:NVRTC options[:VAR=VALUE ...]`` as for scripts/ab_options.sh (``-`` for no options where an
 environment field follows; the environment is set for the set's calls and restored after). A field whose name has a
 dot, ``module.ATTR=INT`` (e.g. ``blazecore._moe_gpu.O_SLICE_COLS=2048``), sets that module attribute to the integer
-for the set's calls instead, and restores it after.
+for the set's calls instead, and restores it after; ``module.FUNCTION(KEYWORD)=INT`` (e.g.
+``blazecore.moe.moe_forward(block_tokens)=16384``) sets the default of that keyword-only parameter the same way.
 
 Usage (repository root): PYTHONPATH=.:adapters:app python scripts/ab_inprocess.py OUT.json \\
     --set base: --set probe:-DBLZ_PROBE_HALF_B=1 [--shapes olmoe,fine] [--tokens 32k] [--rounds 3]
@@ -45,12 +46,32 @@ def parse_set(spec: str) -> tuple[str, str, dict]:
 
 
 def _attribute(field: str):
-    """(module, attribute name) of a ``module.ATTR`` field; AttributeError if the module has no such attribute."""
-    mod_name, _, attr = field.rpartition(".")
+    """(holder, key) of a ``module.ATTR`` field (the module and the attribute's name) or of a
+    ``module.FUNCTION(KEYWORD)`` field (the function's keyword-only defaults and the keyword); AttributeError if the
+    module has no such attribute or the function no such keyword-only parameter with a default."""
+    path, paren, kw = field.partition("(")
+    mod_name, _, attr = path.rpartition(".")
     mod = importlib.import_module(mod_name)
     if not hasattr(mod, attr):
         raise AttributeError(f"option set field {field!r}: {mod_name} has no attribute {attr!r}")
-    return mod, attr
+    if not paren:
+        return mod, attr
+    kw = kw.removesuffix(")")
+    defaults = getattr(getattr(mod, attr), "__kwdefaults__", None) or {}
+    if kw not in defaults:
+        raise AttributeError(f"option set field {field!r}: {path} has no keyword-only parameter {kw!r} with a default")
+    return defaults, kw
+
+
+def _get(holder, key):
+    return holder[key] if isinstance(holder, dict) else getattr(holder, key)
+
+
+def _put(holder, key, value) -> None:
+    if isinstance(holder, dict):
+        holder[key] = value
+    else:
+        setattr(holder, key, value)
 
 
 class _Applied:
@@ -68,9 +89,9 @@ class _Applied:
         os.environ["BLAZECORE_NVRTC_OPTIONS"] = self.opts
         os.environ.update(self.env)
         for field, value in self.attrs.items():
-            mod, attr = _attribute(field)
-            self.saved_attrs.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, int(value))
+            holder, key = _attribute(field)
+            self.saved_attrs.append((holder, key, _get(holder, key)))
+            _put(holder, key, int(value))
 
     def __exit__(self, *exc):
         for var, value in self.saved.items():
@@ -78,8 +99,8 @@ class _Applied:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
-        for mod, attr, value in reversed(self.saved_attrs):
-            setattr(mod, attr, value)
+        for holder, key, value in reversed(self.saved_attrs):
+            _put(holder, key, value)
         self.saved_attrs = []
 
 

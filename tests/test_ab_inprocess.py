@@ -68,3 +68,22 @@ def test_attribute_fields_are_checked_before_any_gpu_work(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         ab.main(["out.json", "--set", "a:", "--set", "b:-:blazecore._moe_gpu.NO_SUCH_CONSTANT=1"])
     assert "no attribute 'NO_SUCH_CONSTANT'" in capsys.readouterr().err
+
+
+def test_applied_sets_and_restores_a_keyword_default(monkeypatch):
+    def fn(x, *, block=16):
+        return x * block
+
+    mod = types.ModuleType("tests_ab_kw_mod")
+    mod.fn = fn
+    monkeypatch.setitem(sys.modules, "tests_ab_kw_mod", mod)
+    label, opts, env = ab.parse_set("s:-:tests_ab_kw_mod.fn(block)=64")
+    with ab._Applied(opts, env):
+        assert mod.fn(2) == 128
+    assert mod.fn(2) == 32
+    for field, why in (("tests_ab_kw_mod.fn(nope)", "no keyword-only parameter 'nope'"),
+                       ("tests_ab_kw_mod.gone(block)", "no attribute 'gone'")):
+        with pytest.raises(AttributeError, match=why):
+            with ab._Applied("", {field: "1"}):
+                pass
+    assert mod.fn(2) == 32
