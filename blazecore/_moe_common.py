@@ -18,10 +18,8 @@ from .dispatch import Dispatch
 _GATED = {"swiglu": True, "geglu": True, "gelu": False, "silu": False, "relu2": False, "swiglu_oai": True}
 ACTIVATIONS = tuple(_GATED)
 CHECKPOINTS = ("ab", "none")
-# Token-block size of the weight-gradient reductions (see chunk_bounds): chunks start on these boundaries. Each
-# (expert, block) ends in a partly filled 64-slot tile, about 32 * E / (BLOCK_TOKENS * K) of the reduction's work
-# (0.8% at E = 128, K = 8), so the blocks are as long as chunking millions of tokens allows.
-BLOCK_TOKENS = 65536
+# Token-block size of the weight-gradient reductions (see chunk_bounds): chunks start on these boundaries.
+BLOCK_TOKENS = 16384
 
 
 # A gated activation's name with this suffix reads w13's 2h rows (and b13, and the saved pre-activations) as

@@ -376,7 +376,7 @@ def test_model_follows_the_launchers(monkeypatch):
 def test_model_counts_block_table_beside_partials():
     """With more tokens than one reduction block, the KTileWalk block table (E * blocks int32) is alive together
     with the dgates partials, as in the launcher (the hand model freed the partials first)."""
-    L, d, h, E, K = moe.BLOCK_TOKENS + 4096, 64, 48, 8, 2
+    L, d, h, E, K = 65536, 64, 48, 8, 2
     tr = memory.moe_memory_trace(L, d, h, E, K, checkpoint="none")
     table = ((E * -(-L // moe.BLOCK_TOKENS),), "int32")
     partials = ((L * K, -(-h // 256)), "float32")
@@ -487,7 +487,7 @@ MEMORY_CASES = [
     (1, 64, 48, 8, 2, 64),
     (1000, 40, 24, 5, 3, 64),
     (8192, 256, 128, 16, 4, 1024),
-    (moe.BLOCK_TOKENS + 4096, 64, 48, 8, 2, moe.BLOCK_TOKENS),
+    (65536, 64, 48, 8, 2, moe.BLOCK_TOKENS),
 ]
 
 
