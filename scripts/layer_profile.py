@@ -52,16 +52,21 @@ def profile(torch, ops, shape, L, steps):
         spans.append((start, start + int(ms * 1e6), k))
     spans.sort()
     gaps = []  # idle stretches of the GPU between consecutive records (any stream)
+    short = []  # the idle time between records up to 20 us: launch latency, a kernel's start after the last's end
     end = spans[0][1] if spans else 0
     for (s0, s1, k), prev in zip(spans[1:], spans[:-1], strict=True):
         if s0 - end > 20_000:
             gaps.append({"us": (s0 - end) / 1e3, "after": prev[2][:70], "before": k[:70]})
+        elif s0 > end:
+            short.append((s0 - end) / 1e3)
         end = max(end, s1)
     rows = sorted(({"kernel": k, "calls_per_step": c / steps, "ms_per_step": t / steps} for k, (c, t) in per.items()),
                   key=lambda r: -r["ms_per_step"])
     busy = sum(r["ms_per_step"] for r in rows)
     return {"shape": shape, "tokens": L, "wall_ms": wall, "kernel_ms": busy, "kernels": rows,
-            "gaps_over_20us": gaps, "gap_ms": sum(g["us"] for g in gaps) / 1e3 / steps}
+            "gaps_over_20us": gaps, "gap_ms": sum(g["us"] for g in gaps) / 1e3 / steps,
+            "short_gaps_per_step": len(short) / steps, "short_gap_ms": sum(short) / 1e3 / steps,
+            "short_gap_median_us": sorted(short)[len(short) // 2] if short else 0.0}
 
 
 def compare_timers(torch, ops, shape, L, steps):
@@ -113,12 +118,18 @@ def main(argv=None) -> int:
             print(f"\n{shape} {tok}: step {r['wall_ms']:.3f} ms (events), kernels {r['kernel_ms']:.3f} ms")
             for k in r["kernels"]:
                 print(f"  {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<5g} {k['kernel']}")
-            print(f"  idle stretches over 20 us: {r['gap_ms']:.3f} ms a step")
+            print(f"  idle stretches over 20 us: {r['gap_ms']:.3f} ms a step; up to 20 us: "
+                  f"{r['short_gap_ms']:.3f} ms a step in {r['short_gaps_per_step']:g} (median "
+                  f"{r['short_gap_median_us']:.1f} us)")
             for g in r["gaps_over_20us"][: 3 * 12]:
                 print(f"    {g['us']:8.1f} us  after {g['after']}  before {g['before']}")
             torch.cuda.empty_cache()
     if a.json:
-        Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": out}, indent=1))
+        from bench import _common as common
+
+        Path(a.json).write_text(json.dumps({"header": {**common.gpu_header(), "bench": "layer_profile",
+                                                       "steps": a.steps},
+                                            "gpu": torch.cuda.get_device_name(), "rows": out}, indent=1))
     return 0
 
 

@@ -4,7 +4,11 @@ forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bf16, bench_gemm's p
 and olmoe's, the four runs in turn in each of 3 rounds (``bench_gemm.launcher_kernel_ms``, medians of 3 calls; "layer"
 the step's CUDA-event ms).
 
-Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_layout_gemms.py OUT.json
+``--interleaved``: instead, gpt-oss's activation (swiglu_oai) on "in_out" weights with w13's 2h columns as [gate; up]
+and as gpt-oss stores them, interleaved gate/up pairs (``swiglu_oai_interleaved``), output stores by TMA, at
+gpt-oss's shapes; the same tensors either way (the timing does not depend on which pairing the values mean).
+
+Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_layout_gemms.py OUT.json [--interleaved]
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ CASES = (("gpt_oss_20b", 32768), ("gpt_oss_120b", 16384), ("olmoe", 32768))
 ENV_SETS = {"tma": {}, "stg": {"BLAZECORE_SM90_OUT_STORE": "st_global"}}
 
 
-def _step(torch, ops, x, w13, w2, gates, ids, dy, disp, layout):
+def _step(torch, ops, x, w13, w2, gates, ids, dy, disp, layout, activation="swiglu"):
     xs, ws1, ws2, gs = (t.detach().requires_grad_() for t in (x, w13, w2, gates))
 
     def step():
-        y = ops.moe_ffn(xs, ws1, ws2, gs, ids, checkpoint="ab", dispatch=disp, weight_layout=layout)
+        y = ops.moe_ffn(xs, ws1, ws2, gs, ids, activation=activation, checkpoint="ab", dispatch=disp,
+                        weight_layout=layout)
         return torch.autograd.grad(y, (xs, ws1, ws2, gs), dy)
 
     return step
@@ -37,7 +42,7 @@ def _with_env(env, fn):
             os.environ.pop(k)
 
 
-def main(out: str) -> int:
+def main(out: str, interleaved: bool = False) -> int:
     import torch
     from blazecore_torch import ops
 
@@ -45,22 +50,28 @@ def main(out: str) -> int:
     from bench import _common as common
 
     res: dict = {}
-    for shape, L in CASES:
+    env_sets = {"tma": ENV_SETS["tma"]} if interleaved else ENV_SETS
+    for shape, L in CASES[:2] if interleaved else CASES:
         d, h, E, K = SHAPES[shape]
         x, w13, w2, gates, ids, dy = bg._problem(torch, d, h, E, K, L)
         w13t, w2t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
         disp = ops.build_dispatch(ids, E, validate=False)
-        steps = {"out_in": _step(torch, ops, x, w13, w2, gates, ids, dy, disp, "out_in"),
-                 "in_out": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out")}
-        for env in ENV_SETS.values():  # every kernel compiled and loaded
+        if interleaved:
+            steps = {"gate_up": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out", "swiglu_oai"),
+                     "interleaved": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out",
+                                          "swiglu_oai_interleaved")}
+        else:
+            steps = {"out_in": _step(torch, ops, x, w13, w2, gates, ids, dy, disp, "out_in"),
+                     "in_out": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out")}
+        for env in env_sets.values():  # every kernel compiled and loaded
             for s in steps.values():
                 _with_env(env, lambda s=s: (s(), s()))
         torch.cuda.synchronize()
         t0 = time.time()
         while time.time() - t0 < 3:
-            steps["out_in"]()
+            next(iter(steps.values()))()
         for _ in range(3):
-            for lab, env in ENV_SETS.items():
+            for lab, env in env_sets.items():
                 for lay, s in steps.items():
                     def timed(s=s):
                         got = bg.launcher_kernel_ms(torch, s, 3)
@@ -77,4 +88,7 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    args = [a for a in sys.argv[1:] if a != "--interleaved"]
+    if len(args) != 1:
+        sys.exit(__doc__)
+    sys.exit(main(args[0], interleaved="--interleaved" in sys.argv[1:]))

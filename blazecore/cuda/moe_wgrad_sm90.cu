@@ -288,9 +288,10 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
     // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
     // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Accumulators
-    // loaded inside the tile loop make ptxas serialize every wgmma of the kernel (C7515: a wait after each); loaded
-    // before the loop they do not. So a CARRY_IN launch runs one tile a CTA (the launcher's grid covers the tiles,
-    // checked at entry) and loads that tile's sums here; only the second and later chunks of a chunked backward run it.
+    // loaded under a condition make ptxas serialize every wgmma of the kernel (C7515: a wait after each); loaded
+    // unconditionally they do not. A CARRY_IN launch runs one tile a CTA (the launcher's grid covers the tiles,
+    // checked at entry) and loads that tile's sums here (a persistent form loading each tile's sums at its start was
+    // no faster); only the second and later chunks of a chunked backward run it.
     if constexpr (CARRY_IN) {
       const float* c0 = carry + (long long)blockIdx.x * (BN / 2) * 256 + ct;
   #pragma unroll
