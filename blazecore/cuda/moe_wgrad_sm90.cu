@@ -221,13 +221,6 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         const int tok = tok_next;
         const int t0 = walk.t0, tend = walk.end();
         walk.next();
-#ifdef BLZ_CARRY_PF
-        // probe: the CTA's next tile's carried sums (128 KB, contiguous) into L2, BLZ_CARRY_PF k-tiles before this
-        // tile's last
-        if (CARRY_IN && tid == 0 && kt == (num_kt > BLZ_CARRY_PF ? num_kt - BLZ_CARRY_PF : 0) &&
-            v + tile_step < num_tiles)
-          sm90::bulk_prefetch_l2(carry + (v + tile_step) * (BN / 2) * 256, (BN / 2) * 256 * sizeof(float));
-#endif
         if constexpr (A_GATHER || B_GATHER) {
           if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
         }
