@@ -618,9 +618,6 @@ def _off32(a, ld) -> bool:
     return a.shape[0] * int(ld) * a.dtype.itemsize <= 2 ** 32
 
 
-CARRY_PERSISTENT = 1  # probe switch: 0 runs the carry-in launches one CTA a tile
-
-
 def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, ldo, o_estride, kblocks,
               num_kblocks, carry=None, carry_seen=None, flags=0, stage=None):
     """One K-grouped GEMM (dw13, dw2; dw13s, dw2s with ``stage``, a :class:`_Staged` that A's gathered rows are
@@ -652,8 +649,9 @@ def _launch_k(kern, which, grid, stream, *, A, lda, B, ldb, disp, E, M, N, out, 
         # (the staged-row roles, A by TMA too, measured 2-3% slower so: single CTAs)
         cluster = kern.wgrad_cluster if b_load == "tma" and which not in _STAGED and (-(-M // BM)) % 2 == 0 else 1
     fn, kv = kern.gemm(which, carry_in=carry_in, b_load=b_load, cluster=cluster)
-    # persistent: at most one CTA per SM (or as many clusters as are resident at once) walk the tiles
-    if kern.sm90 and (CARRY_PERSISTENT or not carry_in):
+    # persistent: at most one CTA per SM (or as many clusters as are resident at once) walk the tiles; a launch that
+    # continues an earlier chunk's sums runs one CTA a tile (it loads them before its tile loop, see moe_wgrad_sm90)
+    if kern.sm90 and not carry_in:
         grid = _persistent_grid(grid) if cluster == 1 else _persistent_cluster_grid(fn, kv, grid, cluster)
     fn((int(grid),), (kv.threads,), (args, *extra), shared_mem=kv.smem, stream=stream)
 

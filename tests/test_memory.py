@@ -437,32 +437,6 @@ def test_chunked_bit_identical_gpu(case, dname, activation, checkpoint, bias, sm
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("ctas", [1, 3])
-def test_chunked_bit_identical_on_persistent_grids_gpu(ctas, cluster, monkeypatch):
-    """The weight-gradient kernels that continue an earlier chunk's sums are persistent like the others: a CTA (or
-    2-CTA cluster) that walks several tiles loads each tile's carried sums at the tile's start. With the grids forced
-    down to 1 and 3 CTAs (clusters), so that every CTA takes several tiles of every chunk, the chunked gradients keep
-    the bits of the unchunked run on the default grid."""
-    from blazecore import _moe_gpu
-
-    if not _moe_gpu._Kernels(DTYPES["bf16"], "swiglu").sm90:
-        pytest.skip("the sm_90a kernels")
-    monkeypatch.setenv("BLAZECORE_SM90_CLUSTER", cluster)
-    L, d, h, E, K = 300, 256, 192, 5, 2  # 2 m-tiles of d (even: clusters), several tiles an expert
-    inp = _make(17, L, d, h, E, K, "bf16", "swiglu", False, "random")
-    dev = {k: None if v is None else to_backend(v, "gpu") for k, v in inp.items()}
-    y1, _, g1 = _run(dev, "swiglu", "ab", block_tokens=32)
-    monkeypatch.setattr(_moe_gpu, "_persistent_grid", lambda g: min(g, ctas))
-    monkeypatch.setattr(_moe_gpu, "_persistent_cluster_grid", lambda fn, kv, g, cl: min(g, cl * ctas))
-    assert len(moe.chunk_bounds(L, 4, 32)) == 4
-    y2, _, g2 = _run(dev, "swiglu", "ab", block_tokens=32, chunks=4)
-    assert _bytes(y1) == _bytes(y2)
-    for k in GRAD_KEYS:
-        assert _bytes(getattr(g1, k)) == _bytes(getattr(g2, k)), f"{k}: {ctas} CTAs (clusters of {cluster})"
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("checkpoint", ["ab", "none"])
 def test_chunked_retain_and_rebuilt_saved_gpu(checkpoint):
     """retain=True (dz beside the saved z) twice, and a MoESaved rebuilt without its chunk dispatches (as the

@@ -38,7 +38,8 @@ namespace blz {
 // Preconditions (as moe_gemm): M % 8 == 0, N % 8 == 0, lda % 8 == 0, ldb % 8 == 0, A and B 16-byte aligned.
 // Arguments: moe_gemm's (MODE_K), KGroupedArgs (moe_args.cuh), then the tensor maps; CARRY_IN instantiates the
 // launch whose args.carry_in is set.
-// Launch: grid <= E * ceil(M / 128) * ceil(N / BN) (even for clusters), block = sm90::THREADS (384),
+// Launch: grid <= E * ceil(M / 128) * ceil(N / BN) (even for clusters; CARRY_IN: equal to it, one CTA a tile),
+// block = sm90::THREADS (384),
 // dynamic shared memory = sm90::Cfg<BN, 1, STAGES>::SMEM_BYTES (230672 bytes for BN = 256 and 4 stages).
 
 // OUT_T: store the tile transposed, out[e][n][m] (the launcher computes dw13 = dz^T x_g as W^T = x_g^T dz, so
@@ -133,20 +134,16 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * STAGES;
 
   const int tid = threadIdx.x;
-#ifdef BLZ_CARRY_STAGGER_NS
-  // probe: every other CTA (cluster) of a carry-in launch starts later, so the CTAs' carry loads and stores fall at
-  // different times
-  if (CARRY_IN && ((blockIdx.x / MC) & 1)) __nanosleep(BLZ_CARRY_STAGGER_NS);
-#endif
 
   // ---- the tiles: v = e * tiles_m * tiles_n + rt, expert-major -----------------------------------------
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const long long per_e = (long long)tiles_m * tiles_n;
   const long long num_tiles = (long long)num_experts * per_e;
-  // persistent CTAs: CTA b takes tiles b, b + gridDim.x, ... (any grid is correct). CLUSTER = 2: the grid is even
-  // and the tile count too, so the CTAs 2c and 2c + 1 of a cluster take the tile pairs (2u, 2u + 1), u = c,
-  // c + gridDim.x / 2, ...: m-tiles 2j and 2j + 1 of one (expert, n-tile)
+  // persistent CTAs: CTA b takes tiles b, b + gridDim.x, ... (any grid is correct; CARRY_IN: at least one CTA a
+  // tile). CLUSTER = 2: the grid is even and the tile count too, so the CTAs 2c and 2c + 1 of a cluster take the
+  // tile pairs (2u, 2u + 1), u = c, c + gridDim.x / 2, ...: m-tiles 2j and 2j + 1 of one (expert, n-tile)
   const long long tile_step = gridDim.x;
+  if (CARRY_IN && tile_step < num_tiles) __trap();  // a CARRY_IN launch runs one tile a CTA (see the consumers)
   struct Tile {
     int e, m0, n0, slot_lo, cnt, num_kt;
   };
@@ -289,21 +286,22 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     int stage = 0;
     unsigned phase = 0;
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
+    // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
+    // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Accumulators
+    // loaded under a condition make ptxas serialize every wgmma of the kernel (C7515: a wait after each); loaded
+    // unconditionally they do not. A CARRY_IN launch runs one tile a CTA (the launcher's grid covers the tiles,
+    // checked at entry) and loads that tile's sums here (a persistent form loading each tile's sums at its start was
+    // no faster); only the second and later chunks of a chunked backward run it.
+    if constexpr (CARRY_IN) {
+      const float* c0 = carry + (long long)blockIdx.x * (BN / 2) * 256 + ct;
+  #pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = c0[i * 256];
+    }
     for (long long v = blockIdx.x; v < num_tiles; v += tile_step) {
       const Tile w = tile_of(v);
       const int e = w.e, m0 = w.m0, n0 = w.n0;
       float* cslice = carry + v * (BN / 2) * 256 + ct;  // this thread's column of the tile's slice
       const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
-      // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
-      // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). The tile's slice
-      // is loaded whether or not the expert was seen (scale_d = 0, or the empty mainloop's zeros, then drops it):
-      // accumulators loaded under a condition make ptxas serialize every wgmma of the kernel (C7515: a wait after
-      // each), loaded unconditionally they do not (tests/test_compile.py fails on a serialized pipeline). Only the
-      // second and later chunks of a chunked backward run this instantiation.
-      if constexpr (CARRY_IN) {
-  #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = cslice[i * 256];
-      }
 
       // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
       KTileWalk<BK> cwalk(kblocks, e, num_kblocks, w.slot_lo, w.slot_lo + (ANY_TMA ? w.cnt : 0));
