@@ -88,10 +88,14 @@ class _Applied:
             self.saved[var] = os.environ.get(var)
         os.environ["BLAZECORE_NVRTC_OPTIONS"] = self.opts
         os.environ.update(self.env)
-        for field, value in self.attrs.items():
-            holder, key = _attribute(field)
-            self.saved_attrs.append((holder, key, _get(holder, key)))
-            _put(holder, key, int(value))
+        try:
+            for field, value in self.attrs.items():
+                holder, key = _attribute(field)
+                self.saved_attrs.append((holder, key, _get(holder, key)))
+                _put(holder, key, int(value))
+        except BaseException:  # a bad field: what was already set goes back, as if the block had run
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc):
         for var, value in self.saved.items():

@@ -71,6 +71,9 @@ def test_attribute_fields_are_checked_before_any_gpu_work(capsys, monkeypatch):
 
 
 def test_applied_sets_and_restores_a_keyword_default(monkeypatch):
+    monkeypatch.delenv("AB_TEST_VAR2", raising=False)
+    before = os.environ.get("BLAZECORE_NVRTC_OPTIONS")
+
     def fn(x, *, block=16):
         return x * block
 
@@ -83,7 +86,8 @@ def test_applied_sets_and_restores_a_keyword_default(monkeypatch):
     assert mod.fn(2) == 32
     for field, why in (("tests_ab_kw_mod.fn(nope)", "no keyword-only parameter 'nope'"),
                        ("tests_ab_kw_mod.gone(block)", "no attribute 'gone'")):
-        with pytest.raises(AttributeError, match=why):
-            with ab._Applied("", {field: "1"}):
+        with pytest.raises(AttributeError, match=why):  # the good field before it is restored too
+            with ab._Applied("-DX=1", {"AB_TEST_VAR2": "1", "tests_ab_kw_mod.fn(block)": "64", field: "1"}):
                 pass
-    assert mod.fn(2) == 32
+        assert mod.fn(2) == 32 and "AB_TEST_VAR2" not in os.environ
+        assert os.environ.get("BLAZECORE_NVRTC_OPTIONS") == before
