@@ -108,6 +108,48 @@ class _Applied:
         self.saved_attrs = []
 
 
+def layer_measure(torch):
+    """measure(step, calls) for :func:`time_in_rounds`: each GEMM launcher's CUPTI kernel ms in ``step``
+    (``bench_gemm.launcher_kernel_ms``, median of ``calls``) and "layer", the step's CUDA-event ms (median of
+    ``calls``)."""
+    import bench.bench_gemm as bg
+    from bench import _common as common
+
+    def measure(step, calls):
+        got = bg.launcher_kernel_ms(torch, step, calls)
+        got["layer"] = common.cuda_time(step, warmup=0, repeats=calls).median_ms
+        return got
+
+    return measure
+
+
+def time_in_rounds(runs: dict, *, rounds: int, calls: int, warm_seconds: float, measure, sync) -> dict:
+    """{name: {label: [figure of each round]}} of ``runs``, {label: (step, context)}, ``context()`` a context manager
+    that sets up the label's build options / settings for its calls. Every run's step is called twice under its
+    context first (its kernels compiled and loaded), then the first run's for ``warm_seconds`` (the GPU at its loaded
+    clock); then each of ``rounds`` rounds takes the runs in their order, ``measure(step, calls)`` -> {name: figure}
+    under the run's context. ``sync()`` waits for the device."""
+    for step, context in runs.values():
+        with context():
+            step()
+            step()
+    sync()
+    first_step, first_context = next(iter(runs.values()))
+    t0 = time.time()
+    with first_context():
+        while time.time() - t0 < warm_seconds:
+            first_step()
+    sync()
+    out: dict = {}
+    for _ in range(rounds):
+        for label, (step, context) in runs.items():
+            with context():
+                got = measure(step, calls)
+            for name, v in got.items():
+                out.setdefault(name, {}).setdefault(label, []).append(round(v, 4))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the JSON file to write")
@@ -147,22 +189,9 @@ def main(argv=None) -> int:
     for shape in shapes:
         d, h, E, K = bg.SHAPES[shape]
         step = bg.blazecore_step(torch, ops, *bg._problem(torch, d, h, E, K, L))
-        for _, opts, env in sets:
-            with _Applied(opts, env):
-                step()
-                step()
-        torch.cuda.synchronize()
-        t0 = time.time()
-        while time.time() - t0 < args.warm_seconds:
-            step()
-        torch.cuda.synchronize()
-        for _ in range(args.rounds):
-            for label, opts, env in sets:
-                with _Applied(opts, env):
-                    got = bg.launcher_kernel_ms(torch, step, args.calls)
-                    got["layer"] = common.cuda_time(step, warmup=0, repeats=args.calls).median_ms
-                for gemm, v in got.items():
-                    ms.setdefault(shape, {}).setdefault(gemm, {}).setdefault(label, []).append(round(v, 4))
+        runs = {label: (step, lambda opts=opts, env=env: _Applied(opts, env)) for label, opts, env in sets}
+        ms[shape] = time_in_rounds(runs, rounds=args.rounds, calls=args.calls, warm_seconds=args.warm_seconds,
+                                   measure=layer_measure(torch), sync=torch.cuda.synchronize)
         print(shape, json.dumps(ms[shape]), flush=True)
     header = {**common.gpu_header(), "bench": "ab_inprocess", "tokens": L, "rounds": args.rounds,
               "calls": args.calls, "warm_seconds": args.warm_seconds,

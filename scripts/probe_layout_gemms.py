@@ -13,9 +13,9 @@ Usage (repository root, GPU): PYTHONPATH=.:adapters:app python scripts/probe_lay
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
+
+from ab_inprocess import _Applied, layer_measure, time_in_rounds
 
 SHAPES = {"gpt_oss_20b": (2880, 2880, 32, 4), "gpt_oss_120b": (2880, 2880, 128, 4), "olmoe": (2048, 1024, 64, 8)}
 CASES = (("gpt_oss_20b", 32768), ("gpt_oss_120b", 16384), ("olmoe", 32768))
@@ -31,15 +31,6 @@ def _step(torch, ops, x, w13, w2, gates, ids, dy, disp, layout, activation="swig
         return torch.autograd.grad(y, (xs, ws1, ws2, gs), dy)
 
     return step
-
-
-def _with_env(env, fn):
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k in env:
-            os.environ.pop(k)
 
 
 def main(out: str, interleaved: bool = False) -> int:
@@ -63,24 +54,12 @@ def main(out: str, interleaved: bool = False) -> int:
         else:
             steps = {"out_in": _step(torch, ops, x, w13, w2, gates, ids, dy, disp, "out_in"),
                      "in_out": _step(torch, ops, x, w13t, w2t, gates, ids, dy, disp, "in_out")}
-        for env in env_sets.values():  # every kernel compiled and loaded
-            for s in steps.values():
-                _with_env(env, lambda s=s: (s(), s()))
-        torch.cuda.synchronize()
-        t0 = time.time()
-        while time.time() - t0 < 3:
-            next(iter(steps.values()))()
-        for _ in range(3):
-            for lab, env in env_sets.items():
-                for lay, s in steps.items():
-                    def timed(s=s):
-                        got = bg.launcher_kernel_ms(torch, s, 3)
-                        got["layer"] = common.cuda_time(s, warmup=0, repeats=3).median_ms
-                        return got
-                    for g, v in _with_env(env, timed).items():
-                        res.setdefault(shape, {}).setdefault(g, {}).setdefault(f"{lay}/{lab}", []).append(round(v, 4))
+        runs = {f"{lay}/{lab}": (s, lambda env=env: _Applied("", env))
+                for lab, env in env_sets.items() for lay, s in steps.items()}
+        res[shape] = time_in_rounds(runs, rounds=3, calls=3, warm_seconds=3.0, measure=layer_measure(torch),
+                                    sync=torch.cuda.synchronize)
         print(shape, json.dumps(res[shape]), flush=True)
-        del steps
+        del steps, runs
         torch.cuda.empty_cache()
     with open(out, "w") as f:
         json.dump({"header": common.gpu_header(), "ms": res}, f, indent=1)

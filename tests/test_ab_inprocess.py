@@ -91,3 +91,47 @@ def test_applied_sets_and_restores_a_keyword_default(monkeypatch):
                 pass
         assert mod.fn(2) == 32 and "AB_TEST_VAR2" not in os.environ
         assert os.environ.get("BLAZECORE_NVRTC_OPTIONS") == before
+
+
+def test_time_in_rounds_alternates_the_runs_under_their_contexts():
+    """Each run's step twice under its context (build), the first run's during the warm-up, then every round takes
+    the runs in order, each measured under its own context; figures collected per name and label, round by round."""
+    import contextlib
+
+    log, active = [], []
+
+    def context(label):
+        @contextlib.contextmanager
+        def cm():
+            active.append(label)
+            try:
+                yield
+            finally:
+                active.pop()
+        return cm
+
+    def step_of(label):
+        def step():
+            assert active == [label], "a step runs only under its own run's context"
+            log.append(("step", label))
+        return step
+
+    calls_seen = []
+
+    def measure(step, calls):
+        calls_seen.append(calls)
+        step()
+        n = sum(1 for e in log if e == ("measure", active[0]))
+        log.append(("measure", active[0]))
+        return {"gemm": float(len(active[0]) + n), "layer": 10.0 + n}
+
+    syncs = []
+    runs = {"a": (step_of("a"), context("a")), "bb": (step_of("bb"), context("bb"))}
+    out = ab.time_in_rounds(runs, rounds=3, calls=4, warm_seconds=0.0, measure=measure, sync=lambda: syncs.append(1))
+    assert log[:4] == [("step", "a"), ("step", "a"), ("step", "bb"), ("step", "bb")]
+    order = [lab for kind, lab in log if kind == "measure"]
+    assert order == ["a", "bb"] * 3
+    assert calls_seen == [4] * 6 and len(syncs) == 2
+    assert out == {"gemm": {"a": [1.0, 2.0, 3.0], "bb": [2.0, 3.0, 4.0]},
+                   "layer": {"a": [10.0, 11.0, 12.0], "bb": [10.0, 11.0, 12.0]}}
+    assert active == []
