@@ -7,10 +7,17 @@ the global tokens/s (N * tokens per GPU / step time), the per-GPU rate, and ever
 (torch's allocator counts blazecore's buffers). With one GPU there is no exchange; a second row runs the
 all-to-all path against the group of one (``always_exchange``) to show what the exchange machinery costs.
 
+``--impls`` (default ``blazecore,grouped_mm``): the same layer, router and exchange with the local experts run by
+blazecore's ``moe_ffn`` or by the ``torch._grouped_mm`` MoE of the baselines (``blazecore_app.baselines.
+grouped_mm_moe``: sort, gathered copy, two grouped GEMMs, index_add_ combine; skipped where torch._grouped_mm cannot
+run). On CUDA each row also has the time a step spends in NCCL's kernels (the count and row exchanges, forward and
+backward, waits for the other ranks included), from the PyTorch profiler over ``--profile-steps`` steps, per rank and
+as a share of the step.
+
 Launch: the driver starts ``torchrun`` once per world size and merges the rows into
 bench/results/ep_<gpu>.json:
 
-    python bench/bench_ep.py --gpus 1,2,4,8 [--shape olmoe] [--tokens-per-gpu 16k]
+    python bench/bench_ep.py --gpus 1,2,4,8 [--shape olmoe] [--tokens-per-gpu 16k] [--name ep_olmoe]
 
 or run one world size under torchrun yourself (rank 0 writes bench/results/ep_w<N>_<gpu>.json):
 
@@ -38,6 +45,7 @@ except ImportError:  # run as a script (torchrun bench/bench_ep.py): Python puts
 
 SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
           "fine": (1536, 256, 128, 8), "tiny": (64, 32, 8, 2)}
+IMPLS = ("blazecore", "grouped_mm")
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -49,10 +57,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="driver: comma-separated world sizes to launch with torchrun (default 1,2,4,.. up to the "
                          "GPU count); ignored under torchrun")
     ap.add_argument("--checkpoint", default="ab", choices=("ab", "none"))
+    ap.add_argument("--impls", default="blazecore,grouped_mm",
+                    help="the local experts: blazecore (moe_ffn), grouped_mm (the torch._grouped_mm MoE)")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the NCCL share (CUDA; 0: none)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--results-dir", default=None, help="default bench/results")
+    ap.add_argument("--name", default="ep", help="driver: the JSON's name, NAME_<gpu>.json")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)  # the driver's per-world-size row file
     return ap
 
@@ -63,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _measure(layer, x, dy, args, torch, dist, cuda: bool) -> dict:
-    """Median fwd+bwd step time (ms) of this rank and its peak allocated bytes during the steps."""
+    """Median fwd+bwd step time (ms) of this rank, its peak allocated bytes during the steps and (CUDA, with
+    --profile-steps) the ms a step its NCCL kernels take."""
 
     def step():
         layer.zero_grad(set_to_none=True)
@@ -77,7 +90,62 @@ def _measure(layer, x, dy, args, torch, dist, cuda: bool) -> dict:
     t = common.time_call(step, warmup=args.warmup, repeats=args.repeats, clock="torch" if cuda else "wall",
                          setup=setup)
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    return {"median_ms": t.median_ms, "spread_ms": t.spread_ms, "peak_bytes": peak}
+    return {"median_ms": t.median_ms, "spread_ms": t.spread_ms, "peak_bytes": peak,
+            "nccl_ms": _nccl_ms(step, args.profile_steps, torch) if cuda and args.profile_steps > 0 else None}
+
+
+def _nccl_ms(step, steps: int, torch) -> float:
+    """ms a step of the NCCL kernels (names starting with "nccl") over ``steps`` steps under the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.key_averages() if e.key.lower().startswith("nccl"))
+    return us * 1e-3 / steps
+
+
+def _grouped_mm_experts(experts, baselines):
+    """A replacement for ``LocalExperts.forward``: the same call on the torch._grouped_mm MoE of the baselines."""
+
+    def forward(x, gates, expert_ids, dispatch, *, activation, checkpoint, chunks=1, retain_saved=False):
+        return baselines.grouped_mm_moe(x, experts.gate_up_proj, experts.down_proj, gates, expert_ids,
+                                        activation=activation)
+
+    return forward
+
+
+def _rows(layer, x, dy, args, torch, dist, cuda, device, impl, modes, world, L, dims, dtype) -> list[dict]:
+    """One row per exchange mode of ``impl``: every rank's figures gathered to each rank."""
+    d, h, E, K = dims
+    rows = []
+    for exchange in modes:
+        layer.always_exchange = exchange and world == 1
+        m = _measure(layer, x, dy, args, torch, dist, cuda)
+        nccl = -1.0 if m["nccl_ms"] is None else m["nccl_ms"]
+        mine = torch.tensor([m["median_ms"], m["spread_ms"], float(m["peak_bytes"] or 0), nccl], dtype=torch.float64,
+                            device=device)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        every = [t.tolist() for t in every]
+        slowest = max(e[0] for e in every)
+        nccl_by_rank = [e[3] for e in every] if every[0][3] >= 0 else None
+        rows.append({
+            "shape": args.shape, "impl": impl, "d": d, "h": h, "E": E, "K": K, "gpus": world,
+            "experts_per_gpu": E // world, "tokens_per_gpu": L, "global_tokens": L * world, "exchange": exchange,
+            "dtype": str(dtype)[6:], "checkpoint": args.checkpoint if impl == "blazecore" else None,
+            "step_ms": slowest, "step_ms_by_rank": [e[0] for e in every],
+            "spread_ms_by_rank": [e[1] for e in every],
+            "tokens_per_s": L * world / (slowest * 1e-3), "tokens_per_s_per_gpu": L / (slowest * 1e-3),
+            "peak_bytes_per_gpu": max(e[2] for e in every) if cuda else None,
+            "peak_bytes_by_rank": [int(e[2]) for e in every] if cuda else None,
+            "nccl_ms_by_rank": nccl_by_rank,
+            "nccl_share": None if nccl_by_rank is None else max(n / e[0] for n, e in zip(nccl_by_rank, every,
+                                                                                          strict=True)),
+        })
+    return rows
 
 
 def worker(args) -> int:
@@ -115,25 +183,21 @@ def worker(args) -> int:
         dy = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype)
         modes = [False, True] if world == 1 else [True]
         rows = []
-        for exchange in modes:
-            layer.always_exchange = exchange and world == 1
-            m = _measure(layer, x, dy, args, torch, dist, cuda)
-            # gather every rank's figures to rank 0
-            mine = torch.tensor([m["median_ms"], m["spread_ms"], float(m["peak_bytes"] or 0)], dtype=torch.float64,
-                                device=device)
-            every = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(every, mine)
-            every = [t.tolist() for t in every]
-            slowest = max(e[0] for e in every)
-            rows.append({
-                "shape": args.shape, "d": d, "h": h, "E": E, "K": K, "gpus": world, "experts_per_gpu": E // world,
-                "tokens_per_gpu": L, "global_tokens": L * world, "exchange": exchange, "dtype": str(dtype)[6:],
-                "checkpoint": args.checkpoint, "step_ms": slowest, "step_ms_by_rank": [e[0] for e in every],
-                "spread_ms_by_rank": [e[1] for e in every],
-                "tokens_per_s": L * world / (slowest * 1e-3), "tokens_per_s_per_gpu": L / (slowest * 1e-3),
-                "peak_bytes_per_gpu": max(e[2] for e in every) if cuda else None,
-                "peak_bytes_by_rank": [int(e[2]) for e in every] if cuda else None,
-            })
+        for impl in [v for v in args.impls.split(",") if v]:
+            if impl == "grouped_mm":
+                from blazecore_app import baselines
+
+                why = baselines.grouped_mm_unsupported(x, layer.experts.gate_up_proj, layer.experts.down_proj)
+                if why is not None:
+                    if rank == 0:
+                        print(f"# grouped_mm skipped: {why}", flush=True)
+                    continue
+                layer.experts.forward = _grouped_mm_experts(layer.experts, baselines)
+            try:
+                rows += _rows(layer, x, dy, args, torch, dist, cuda, device, impl, modes, world, L, (d, h, E, K),
+                              dtype)
+            finally:
+                layer.experts.__dict__.pop("forward", None)  # the class's forward again
         if rank == 0:
             header = common.gpu_header(local) if cuda else common.cpu_header()
             header["world_size"] = world
@@ -156,11 +220,12 @@ def _print(rows) -> None:
     def peak(r):
         return None if r["peak_bytes_per_gpu"] is None else r["peak_bytes_per_gpu"] / 2**30
 
-    common.print_table(rows, [("gpus", "gpus", "d"), ("tokens/gpu", lambda r: common.format_count(r["tokens_per_gpu"]),
-                                                       None),
+    common.print_table(rows, [("impl", "impl", None), ("gpus", "gpus", "d"),
+                              ("tokens/gpu", lambda r: common.format_count(r["tokens_per_gpu"]), None),
                               ("exchange", lambda r: "yes" if r["exchange"] else "no", None),
                               ("step ms", "step_ms", ".2f"), ("tokens/s", "tokens_per_s", ",.0f"),
-                              ("tokens/s/gpu", "tokens_per_s_per_gpu", ",.0f"), ("peak GiB/gpu", peak, ".2f")])
+                              ("tokens/s/gpu", "tokens_per_s_per_gpu", ",.0f"), ("peak GiB/gpu", peak, ".2f"),
+                              ("NCCL share", "nccl_share", ".3f")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,9 +268,10 @@ def driver(args, argv) -> int:
         print("no world size ran", file=sys.stderr)
         return 1
     header["world_sizes"] = sorted({r["gpus"] for r in rows})
+    header["bench"] = "ep"
     header.pop("world_size", None)
     results = pathlib.Path(args.results_dir) if args.results_dir else None
-    path = common.write_json("ep", header, rows, results)
+    path = common.write_json(args.name, header, rows, results)
     print(f"wrote {path}")
     _print(rows)
     return 0
@@ -213,7 +279,13 @@ def driver(args, argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    bad = [v for v in args.impls.split(",") if v and v not in IMPLS]
+    if bad or not any(args.impls.split(",")):
+        ap.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
+    if args.profile_steps < 0:
+        ap.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if "LOCAL_RANK" in os.environ or args.out:
         return worker(args)
     if args.gpus is None and args.device == "cuda":

@@ -246,19 +246,40 @@ def test_torchtitan_expert_parallel_with_blazecore_experts():
 
 def test_bench_ep_cpu_smoke(tmp_path):
     """bench/bench_ep.py's driver and torchrun worker on the CPU (gloo, 2 processes, tiny shape): it runs and its
-    JSON has the weak-scaling row."""
+    JSON has the weak-scaling row of blazecore's local experts, and of the grouped_mm MoE's where this torch's
+    torch._grouped_mm runs on the CPU (the same tokens and exchange; no NCCL figures on the CPU)."""
     import json
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
+    from blazecore_app import baselines
+
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ep.py"), "--device", "cpu", "--shape", "tiny",
                            "--tokens-per-gpu", "32", "--gpus", "2", "--warmup", "1", "--repeats", "2",
-                           "--results-dir", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True,
+                           "--results-dir", str(tmp_path)], env=_cli_env(), cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "ep_cpu.json").read_text())
-    (row,) = doc["rows"]
-    assert row["gpus"] == 2 and row["global_tokens"] == 64 and row["exchange"] and row["tokens_per_s"] > 0
+    by_impl = {r["impl"]: r for r in doc["rows"]}
+    probe = torch.zeros(1, 64)
+    gmm_runs = baselines.grouped_mm_unsupported(probe, torch.zeros(1, 64, 64), torch.zeros(1, 64, 32)) is None
+    assert sorted(by_impl) == (["blazecore", "grouped_mm"] if gmm_runs else ["blazecore"]), by_impl
+    assert len(doc["rows"]) == len(by_impl)
+    for row in by_impl.values():
+        assert row["gpus"] == 2 and row["global_tokens"] == 64 and row["exchange"] and row["tokens_per_s"] > 0
+        assert row["nccl_ms_by_rank"] is None and row["nccl_share"] is None
+
+
+@pytest.mark.parametrize("argv", [["--impls", "cutlass"], ["--impls", ","], ["--profile-steps", "-1"]])
+def test_bench_ep_refuses_bad_options(argv, capsys):
+    """A bad --impls or --profile-steps is a usage error before any process starts."""
+    from bench import bench_ep
+
+    with pytest.raises(SystemExit) as exc:
+        bench_ep.main(["--device", "cpu", "--gpus", "2", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[0] in err, err
+
+
 def _cli_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), str(ROOT / "app"),
