@@ -199,6 +199,49 @@ def suite_fsdp(rank, world):
     _check_ddp(rank, world)
 
 
+def suite_fsdp_mp(rank, world):
+    """gloo: FSDP2 with a mixed-precision policy (bf16 parameters in the forward; float64 reduction, since gloo has
+    no PREMUL_SUM for FSDP2's float32 divide) on a (2, world / 2) mesh: the experts get the router's float32 gates
+    (FSDP2's cast of forward inputs stays off for them), and training matches the single-process float32 model
+    within bf16 tolerance. suite_gpu_fsdp runs the float32 reduction over NCCL."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    d, h, E, K, L, steps = 16, 8, 4, 2, 12, 2
+    torch.manual_seed(3)
+    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)).float()
+    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64)).float()
+    with torch.no_grad():
+        model.inp.load_state_dict(ref.inp.state_dict())
+        model.out.load_state_dict(ref.out.state_dict())
+        model.moe.load_full_state_dict(ref.moe.state_dict())
+    model.moe.always_exchange = True
+    fully_shard_expert_parallel(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                             reduce_dtype=torch.float64))
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        xs, ts = _batches(g, world, L, d)
+        xs, ts = [x.float() for x in xs], [t.float() for t in ts]
+        opt_ref.zero_grad()
+        ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        opt_ref.step()
+        opt.zero_grad()
+        ((model(xs[rank].bfloat16()).float() - ts[rank]) ** 2).mean().backward()
+        opt.step()
+    want = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        key = n.replace("moe.experts.", "moe.")
+        w = want[key][sl] if "experts" in n else want[key]
+        _close(f"fsdp mp: {n}", full, w, rtol=1e-2)
+    print("OK fsdp_mp", flush=True)
+
+
 def _check_ddp(rank, world):
     """Without FSDP: to_expert_parallel + all_reduce_gradients on expert_parallel_mesh equal the single-process
     model after Adam steps."""
@@ -382,7 +425,7 @@ def main():
         dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         suites = {"layer": suite_layer, "fsdp": suite_fsdp, "errors": suite_errors, "titan": suite_titan,
-                  "gpu": suite_gpu, "gpu_fsdp": suite_gpu_fsdp}
+                  "gpu": suite_gpu, "gpu_fsdp": suite_gpu_fsdp, "fsdp_mp": suite_fsdp_mp}
         suites[suite](rank, world)
         dist.barrier()
     finally:

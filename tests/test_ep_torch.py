@@ -69,6 +69,13 @@ def test_fsdp2_matches_single_process(world):
         assert "OK fsdp" in out and "OK ddp" in out, out
 
 
+def test_fsdp2_mixed_precision_keeps_float32_gates():
+    """FSDP2 with a bf16 parameter policy on 4 CPU ranks: the experts' forward inputs are not cast (the router's
+    gates stay float32, as moe_ffn requires) and training matches the float32 model (suite "fsdp_mp")."""
+    for out in _launch(4, "fsdp_mp"):
+        assert "OK fsdp_mp" in out, out
+
+
 def test_bad_input_raises_before_communication():
     for out in _launch(2, "errors", timeout=120):
         assert "OK errors" in out, out
@@ -289,15 +296,22 @@ def _cli_env() -> dict:
     return env
 
 
-def test_train_ep_under_torchrun():
-    """``train --ep 2`` on 2 CPU ranks (gloo): data + expert parallel training runs, rank 0 reports global tokens/s."""
+def test_train_ep_under_torchrun(tmp_path):
+    """``train --ep 2`` on 2 CPU ranks (gloo): data + expert parallel training runs, rank 0 reports global tokens/s
+    and writes the log (``--log-file``: torchrun's own parser takes ``--log`` for its ``--log-dir``)."""
+    import json
+
+    log = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "blazecore",
            "train", "--ep", "2", "--device", "cpu", "--steps", "3", "--layers", "1", "--batch", "2", "--seq-len", "16",
-           "--corpus-tokens", "5000", "--eval-batches", "1", "--sample-tokens", "0"]
+           "--corpus-tokens", "5000", "--eval-batches", "1", "--sample-tokens", "0", "--log-file", str(log)]
     proc = subprocess.run(cmd, env=_cli_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parallel: 2 ranks: 1 data-parallel x 2 expert-parallel" in proc.stdout, proc.stdout
     assert proc.stdout.count("done: 3 steps") == 1, proc.stdout  # rank 0 prints, rank 1 does not
+    assert proc.stdout.count(f"log: {log}") == 1, proc.stdout
+    doc = json.loads(log.read_text())
+    assert len(doc["history"]) >= 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ep.json"], doc.keys()
 
 
 def test_train_ep_without_torchrun_is_a_usage_error():

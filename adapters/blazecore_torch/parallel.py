@@ -37,6 +37,8 @@ each expert's gradient already sums the tokens of its whole ep row.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -404,7 +406,9 @@ def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", e
     slice sharded over its dp column) with the gradient divided by the whole mesh's size; then ``model``
     itself over the flattened (dp x ep) mesh, which takes every other parameter (routers included).
     Gradients then equal those of the same model on one process run on all ranks' tokens, with the loss
-    averaged over ranks. ``fsdp_kwargs`` go to both ``fully_shard`` calls (e.g. ``mp_policy``).
+    averaged over ranks. ``fsdp_kwargs`` go to both ``fully_shard`` calls (e.g. ``mp_policy``), except that
+    the experts' copy of an ``mp_policy`` has ``cast_forward_inputs=False``: their inputs (the received rows,
+    already in the compute dtype, and the router's gates, which ``moe_ffn`` takes in float32) pass as they are.
 
     Returns the flattened mesh.
     """
@@ -424,8 +428,11 @@ def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", e
             raise ValueError("an ExpertParallelMoELayer's group is not the mesh's "
                              f"{ep_dim!r} group: build it with group=mesh (ep_dim={ep_dim!r})")
     flat = mesh[dp_dim, ep_dim]._flatten(f"{dp_dim}_{ep_dim}")
+    expert_kwargs = dict(fsdp_kwargs)
+    if expert_kwargs.get("mp_policy") is not None:
+        expert_kwargs["mp_policy"] = dataclasses.replace(expert_kwargs["mp_policy"], cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer.experts, mesh=mesh[dp_dim], **fsdp_kwargs)
+        fully_shard(layer.experts, mesh=mesh[dp_dim], **expert_kwargs)
         # each expert's gradient sums its whole ep row's tokens: average over every rank, not over dp only
         layer.experts.set_gradient_divide_factor(float(world))
     fully_shard(model, mesh=flat, **fsdp_kwargs)

@@ -355,7 +355,9 @@ def _add_train_parser(sub) -> None:
                         "settings apply unless given again")
     o.add_argument("--stop-at", type=NON_NEGATIVE_INT, metavar="STEP",
                    help="end after this step with a checkpoint, e.g. to split a run; --resume continues it")
-    o.add_argument("--log", metavar="FILE", help="write the loss curve and the run's figures as JSON")
+    o.add_argument("--log", "--log-file", dest="log", metavar="FILE",
+                   help="write the loss curve and the run's figures as JSON (under torchrun spell it --log-file: "
+                        "torchrun's own parser takes --log as an abbreviation of its --log-dir and stops)")
     o.add_argument("--log-every", type=POSITIVE_INT, metavar="N",
                    help="steps between loss reads and progress updates (GPU 10, CPU 1)")
     o.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")

@@ -686,6 +686,7 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
 
     dtype = DTYPES[cfg.dtype]
     data = Data(cfg)
+    log_path = cfg.log if par is None or par.rank == 0 else None  # under torchrun rank 0 writes the log
 
     model = MoETransformer(cfg, data.lang.vocab_size, device=device, dtype=dtype)
     init_hash = init_parameters(model, cfg)
@@ -780,8 +781,8 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
                       "model": model.state_dict(), "optimizer": opt.state_dict(), "history": history,
                       "val": val_history, "progress": progress_log, "init_sha256": init_hash,
                       "wall_s": wall_before + time.perf_counter() - t_run}, ckpt_path)
-        if cfg.log:
-            _write_json(cfg.log, document("running"))
+        if log_path:
+            _write_json(log_path, document("running"))
 
     last = cfg.steps if cfg.stop_at is None else max(start, min(cfg.steps, cfg.stop_at))
     for step in range(start + 1, last + 1):
@@ -823,9 +824,9 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
     if cfg.sample_tokens > 0:
         text = sample(model, data.lang, cfg.sample_tokens, cfg.seq_len, device, cfg.seed)
         say("sample: " + text.replace("\n", " / "))
-    if cfg.log:
-        _write_json(cfg.log, doc)
-        say(f"log: {cfg.log}")
+    if log_path:
+        _write_json(log_path, doc)
+        say(f"log: {log_path}")
     if ckpt_path is not None:
         say(f"checkpoint: {ckpt_path}")
     return doc
