@@ -312,6 +312,10 @@ def test_train_ep_under_torchrun(tmp_path):
     assert proc.stdout.count(f"log: {log}") == 1, proc.stdout
     doc = json.loads(log.read_text())
     assert len(doc["history"]) >= 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ep.json"], doc.keys()
+    # the summary's tokens/s counts both ranks' tokens, as the progress entries do
+    rates = [p["tokens_per_s"] for p in doc["progress"] if p["seconds"] > 0]
+    assert doc["summary"]["ranks"] == 2
+    assert min(rates[1:] or rates) * 0.999 <= doc["summary"]["tokens_per_s"] <= max(rates[1:] or rates) * 1.001, doc
 
 
 def test_train_ep_without_torchrun_is_a_usage_error():

@@ -585,6 +585,10 @@ def _write_json(path: str, doc: dict) -> None:
 
 
 def _git_commit() -> str | None:
+    """$BLAZECORE_GIT_COMMIT when set (a copy of the tree whose .git is not its history, as the benchmarks' headers
+    take it), else the checkout's HEAD, or None outside a checkout."""
+    if os.environ.get("BLAZECORE_GIT_COMMIT"):
+        return os.environ["BLAZECORE_GIT_COMMIT"]
     root = pathlib.Path(blazecore.__file__).resolve().parents[1]
     head = root / ".git" / "HEAD"
     try:
@@ -593,7 +597,7 @@ def _git_commit() -> str | None:
             return (root / ".git" / ref[5:]).read_text().strip()
         return ref
     except OSError:
-        return os.environ.get("BLAZECORE_GIT_COMMIT")
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -774,7 +778,8 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
 
     def document(status: str) -> dict:
         return _log_document(cfg, status, device, history, val_history, progress_log, init_hash, corpus,
-                             n_params, n_expert, start, wall_before + time.perf_counter() - t_run, resident)
+                             n_params, n_expert, start, wall_before + time.perf_counter() - t_run, resident,
+                             1 if par is None else par.world)
 
     def save_checkpoint(step: int) -> None:
         _atomic_save({"format": CKPT_FORMAT, "config": dataclasses.asdict(cfg), "step": step,
@@ -833,7 +838,9 @@ def _train(cfg: TrainConfig, device: torch.device, checkpoint: dict | None, ckpt
 
 
 def _log_document(cfg, status, device, history, val_history, progress_log, init_hash, corpus, n_params, n_expert,
-                  resumed_from, wall_s, resident) -> dict:
+                  resumed_from, wall_s, resident, ranks: int = 1) -> dict:
+    """The log (``--log``). ``ranks``: the processes of a torchrun job; tokens/s counts every rank's tokens, as the
+    progress bar does."""
     losses = [h["lm_loss"] for h in history]
     window = max(1, min(10, len(losses) // 10)) if losses else 0
     timed = [p for p in progress_log if p["seconds"] > 0]
@@ -867,7 +874,9 @@ def _log_document(cfg, status, device, history, val_history, progress_log, init_
             "final_window": window,
             "val_first": val_history[0]["loss"] if val_history else None,
             "val_final": val_history[-1]["loss"] if val_history else None,
-            "tokens_per_s": sum(p["steps"] for p in steady) * cfg.tokens_per_step / seconds if seconds > 0 else None,
+            "tokens_per_s": (sum(p["steps"] for p in steady) * cfg.tokens_per_step * ranks / seconds
+                             if seconds > 0 else None),
+            "ranks": ranks,
             "peak_memory_bytes": max([peak] + [p["peak_memory_bytes"] for p in progress_log]),
             "resident_memory_bytes": resident,
             "memory_kind": kind,
