@@ -225,6 +225,33 @@ def scale_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def ep_table(doc: dict) -> str:
+    """bench_ep: weak scaling of the expert-parallel layer, the local experts on moe_ffn and on the grouped_mm MoE."""
+    h, rows = doc["header"], doc["rows"]
+    shapes = ", ".join(dict.fromkeys(f"{r['shape']} (d={r['d']}, h={r['h']}, E={r['E']}, K={r['K']})" for r in rows))
+    out = [f"Expert-parallel layer (`ExpertParallelMoELayer`: router, all-to-all of rows and gates, local experts, "
+           f"return, combine), forward+backward, bf16, {shapes}, tokens per GPU fixed ({_header_line(h)}); one "
+           "torchrun per GPU count; \"exchange\": the all-to-all path (with one GPU: against the group of one); "
+           "NCCL share: the largest rank's share of the step in NCCL's kernels (PyTorch profiler); per-GPU rate "
+           "against the same implementation's one-GPU run without exchange:", "",
+           "| local experts | GPUs | tokens/GPU | exchange | step ms | tokens/s | tokens/s/GPU | vs 1 GPU | "
+           "peak GiB/GPU | NCCL share |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v, fmt):
+        return "" if v is None else format(v, fmt)
+
+    base = {r.get("impl", "blazecore"): r["tokens_per_s_per_gpu"] for r in rows if r["gpus"] == 1 and not r["exchange"]}
+    for r in rows:
+        impl = r.get("impl", "blazecore")
+        pk = r.get("peak_bytes_per_gpu")
+        rel = r["tokens_per_s_per_gpu"] / base[impl] if impl in base else None
+        out.append(f"| {impl} | {r['gpus']} | {_count(r['tokens_per_gpu'])} | {'yes' if r['exchange'] else 'no'} | "
+                   f"{r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                   f"{f(rel, '.2f')} | {f(pk and pk / 2**30, '.2f')} | {f(r.get('nccl_share'), '.2f')} |")
+    return "\n".join(out)
+
+
 def train_section() -> str:
     """The GPU train comparison (scripts/gpu_train_compare.py) under bench/results/train_*/."""
     parts = []
@@ -300,7 +327,7 @@ def render(section: str = "") -> str:
         if (kind == SCALING) != (section == "scaling"):
             continue
         table = {"moe": moe_table, "gemm": gemm_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
-                 "scale": scale_table, "host": host_table}.get(kind)
+                 "scale": scale_table, "host": host_table, "ep": ep_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:
