@@ -252,6 +252,33 @@ def ep_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def train_ep_table(paths: list) -> str:
+    """``train`` logs of one model on 1 GPU and under torchrun with expert parallelism (``--ep``), from one
+    machine: global tokens/s against the one-rank run, losses and peak memory per rank."""
+    docs = sorted((json.loads(p.read_text()) for p in paths),
+                  key=lambda d: (d["summary"].get("ranks", 1), d["config"]["batch"]))
+    first = docs[0]
+    c = first["config"]
+    model = (f"d={c['d_model']}, {c.get('n_layers', c.get('layers'))} layers, E={c['num_experts']}, "
+             f"K={c['top_k']}, h={c['expert_hidden']}, {c['steps']} steps, seed {c['seed']}")
+    one = next((d["summary"]["tokens_per_s"] for d in docs if d["summary"].get("ranks", 1) == 1), None)
+    out = [f"`train` on one GPU and under torchrun with `--ep` ({first['device_name']}, "
+           f"{str(first.get('date', ''))[:10]}, commit {str(first.get('git_commit'))[:12]}, torch {first['torch']}; "
+           f"{model}; tokens/s counts every rank, without the first interval):", "",
+           "| ranks | expert-parallel | batch a rank | tokens a step | tokens/s | vs 1 GPU | final train loss | "
+           "final validation loss | peak GiB a rank |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for d in docs:
+        cf, sm = d["config"], d["summary"]
+        ranks = sm.get("ranks", 1)
+        rate = sm["tokens_per_s"]
+        rel = "" if one is None or rate is None else f"{rate / one:.2f}"
+        out.append(f"| {ranks} | {cf['ep']} | {cf['batch']} | {cf['batch'] * cf['seq_len'] * ranks:,} | "
+                   f"{rate:,.0f} | {rel} | {sm['final_loss']:.3f} | {sm['val_final']:.3f} | "
+                   f"{sm['peak_memory_bytes'] / 2**30:.2f} |")
+    return "\n".join(out)
+
+
 def train_section() -> str:
     """The GPU train comparison (scripts/gpu_train_compare.py) under bench/results/train_*/."""
     parts = []
@@ -332,6 +359,11 @@ def render(section: str = "") -> str:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{table(doc)}")
+    if section != "scaling":
+        for folder in sorted(p for p in RESULTS.glob("train_ep_*") if p.is_dir()):
+            logs = sorted(folder.glob("*.json"))
+            if logs:
+                parts.append(f"`{folder.relative_to(ROOT).as_posix()}/`\n\n{train_ep_table(logs)}")
     if section == "scaling" and train_section():
         parts.append(train_section())
     if parts:

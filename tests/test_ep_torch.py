@@ -322,3 +322,31 @@ def test_train_ep_without_torchrun_is_a_usage_error():
     proc = subprocess.run([sys.executable, "-m", "blazecore", "train", "--ep", "2", "--device", "cpu"], env=_cli_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs torchrun" in proc.stderr, proc.stderr
+
+
+def test_report_tables_of_the_ep_results():
+    """bench/report.py's tables of the committed expert-parallel results: one line per JSON row or log, the
+    figures as the files hold them, the per-GPU rate against the same implementation's one-GPU run."""
+    import json
+
+    from bench import report
+
+    for path in sorted(report.RESULTS.glob("ep_*.json")):
+        doc = json.loads(path.read_text())
+        lines = [ln for ln in report.ep_table(doc).splitlines() if ln.startswith("| ") and not ln.startswith("| local")]
+        assert len(lines) == len(doc["rows"]), path
+        for ln, r in zip(lines, doc["rows"], strict=True):
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            assert cells[0] == r.get("impl", "blazecore") and int(cells[1]) == r["gpus"]
+            assert cells[5] == f"{r['tokens_per_s']:,.0f}"
+            if r["gpus"] == 1 and not r["exchange"]:
+                assert cells[7] == "1.00"
+    folders = [p for p in report.RESULTS.glob("train_ep_*") if p.is_dir()]
+    for folder in folders:
+        logs = sorted(folder.glob("*.json"))
+        table = report.train_ep_table(logs)
+        lines = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| ranks")]
+        assert len(lines) == len(logs)
+        rates = sorted(f"{json.loads(p.read_text())['summary']['tokens_per_s']:,.0f}" for p in logs)
+        assert sorted(ln.split("|")[5].strip() for ln in lines) == rates
+        assert any(ln.split("|")[6].strip() == "1.00" for ln in lines)
