@@ -32,6 +32,11 @@ def _header_line(h: dict) -> str:
     return f"{h.get('gpu')}, {h.get('date', '')[:10]}, commit {str(h.get('git_commit'))[:12]}, torch {h.get('torch')}"
 
 
+def _opt(v, fmt: str) -> str:
+    """``v`` formatted, or an empty cell for None."""
+    return "" if v is None else format(v, fmt)
+
+
 def _ratio(v) -> str:
     return "" if v is None else f"{v:.3f}"
 
@@ -210,10 +215,7 @@ def scale_table(doc: dict) -> str:
            "| impl | tokens | status | policy | chunks | fwd+bwd ms | TFLOP/s | peak GiB | predicted GiB | pred/meas | "
            "throughput vs 1 chunk |",
            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def f(v, fmt):
-        return "" if v is None else format(v, fmt)
-
+    f = _opt
     for r in doc["rows"] + doc.get("compare", []) + doc.get("layer_rows", []):
         pk, pp = r.get("peak_bytes"), r.get("predicted_peak_bytes")
         out.append(f"| {r['impl']} | {_count(r['tokens'])} | {r['status']} | {r.get('checkpoint') or ''} | "
@@ -237,10 +239,7 @@ def ep_table(doc: dict) -> str:
            "| local experts | GPUs | tokens/GPU | exchange | step ms | tokens/s | tokens/s/GPU | vs 1 GPU | "
            "peak GiB/GPU | NCCL share |",
            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-
-    def f(v, fmt):
-        return "" if v is None else format(v, fmt)
-
+    f = _opt
     base = {r.get("impl", "blazecore"): r["tokens_per_s_per_gpu"] for r in rows if r["gpus"] == 1 and not r["exchange"]}
     for r in rows:
         impl = r.get("impl", "blazecore")

@@ -199,36 +199,44 @@ def suite_fsdp(rank, world):
     _check_ddp(rank, world)
 
 
-def suite_fsdp_mp(rank, world):
-    """gloo: FSDP2 with a mixed-precision policy (bf16 parameters in the forward; float64 reduction, since gloo has
-    no PREMUL_SUM for FSDP2's float32 divide) on a (2, world / 2) mesh: the experts get the router's float32 gates
-    (FSDP2's cast of forward inputs stays off for them), and training matches the single-process float32 model
-    within bf16 tolerance. suite_gpu_fsdp runs the float32 reduction over NCCL."""
+def _fsdp_mixed_precision(rank, world, device, reduce_dtype, dims, tag):
+    """FSDP2 with bf16 parameters in the forward and ``reduce_dtype`` gradient reduction on a (2, world / 2) mesh
+    against the single-process model in the same mixed precision (float32 master weights and Adam, each step's
+    forward and backward on a bf16 copy of them over every rank's tokens, the gradients taken back in float32),
+    after Adam steps: bf16 tolerance. The experts get the router's float32 gates (FSDP2's cast of forward inputs
+    stays off for them). (Against a float32 forward instead, Adam's steps turn bf16's rounding of the router's
+    gradient into a 1% difference of its weights after 3 steps.)"""
+    import copy
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
-    d, h, E, K, L, steps = 16, 8, 4, 2, 12, 2
+    d, h, E, K, L, steps = dims
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "ep"))
     torch.manual_seed(3)
-    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)).float()
-    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64)).float()
+    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)).float().to(device)
+    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64))
+    model = model.float().to(device)
     with torch.no_grad():
         model.inp.load_state_dict(ref.inp.state_dict())
         model.out.load_state_dict(ref.out.state_dict())
         model.moe.load_full_state_dict(ref.moe.state_dict())
-    model.moe.always_exchange = True
+    model.moe.always_exchange = True  # the all-to-all path even where ep = 1
     fully_shard_expert_parallel(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                             reduce_dtype=torch.float64))
+                                                                             reduce_dtype=reduce_dtype))
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device=device).manual_seed(5)
     for _ in range(steps):
-        xs, ts = _batches(g, world, L, d)
-        xs, ts = [x.float() for x in xs], [t.float() for t in ts]
-        opt_ref.zero_grad()
-        ((ref(torch.cat(xs)) - torch.cat(ts)) ** 2).mean().backward()
+        xs = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
+        ts = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
+        opt_ref.zero_grad(set_to_none=True)
+        work = copy.deepcopy(ref).to(torch.bfloat16)  # what FSDP2's bf16 all-gather computes with
+        ((work(torch.cat(xs).bfloat16()).float() - torch.cat(ts)) ** 2).mean().backward()
+        for p_ref, p_work in zip(ref.parameters(), work.parameters(), strict=True):
+            p_ref.grad = p_work.grad.float()
         opt_ref.step()
         opt.zero_grad()
         ((model(xs[rank].bfloat16()).float() - ts[rank]) ** 2).mean().backward()
@@ -238,8 +246,14 @@ def suite_fsdp_mp(rank, world):
         full = p.full_tensor() if isinstance(p, DTensor) else p
         key = n.replace("moe.experts.", "moe.")
         w = want[key][sl] if "experts" in n else want[key]
-        _close(f"fsdp mp: {n}", full, w, rtol=1e-2)
-    print("OK fsdp_mp", flush=True)
+        _close(f"{tag}: {n}", full, w, rtol=1e-2)
+    print(f"OK {tag}", flush=True)
+
+
+def suite_fsdp_mp(rank, world):
+    """gloo: the mixed-precision check with a float64 reduction (gloo has no PREMUL_SUM for FSDP2's float32 divide;
+    suite_gpu_fsdp runs the float32 reduction over NCCL)."""
+    _fsdp_mixed_precision(rank, world, torch.device("cpu"), torch.float64, (16, 8, 4, 2, 12, 2), "fsdp_mp")
 
 
 def _check_ddp(rank, world):
@@ -353,53 +367,9 @@ def suite_gpu(rank, world):
 
 
 def suite_gpu_fsdp(rank, world):
-    """NCCL, one GPU per rank: FSDP2 with bf16 compute and float32 reduction (mixed precision) on a (2, world / 2)
-    mesh against the single-process model in the same mixed precision (float32 master weights and Adam, each
-    step's forward and backward on a bf16 copy of them over every rank's tokens, the gradients taken back in
-    float32), on each rank's GPU, after Adam steps: bf16 tolerance. (Against a float32 forward instead, Adam's
-    steps turn bf16's rounding of the router's gradient into a 1% difference of its weights after 3 steps.)"""
-    import copy
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import DTensor
-
-    device = torch.device("cuda", rank)
-    mesh = init_device_mesh("cuda", (2, world // 2), mesh_dim_names=("dp", "ep"))
-    d, h, E, K, L, steps = 256, 128, 8, 2, 512, 3
-    torch.manual_seed(3)
-    ref = _Model(d, blazecore_torch.MoELayer(d, h, E, K, dtype=torch.float64)).float().to(device)
-    model = _Model(d, ExpertParallelMoELayer(d, h, E, K, group=mesh, ep_dim="ep", dtype=torch.float64))
-    model = model.float().to(device)
-    with torch.no_grad():
-        model.inp.load_state_dict(ref.inp.state_dict())
-        model.out.load_state_dict(ref.out.state_dict())
-        model.moe.load_full_state_dict(ref.moe.state_dict())
-    fully_shard_expert_parallel(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                             reduce_dtype=torch.float32))
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sl = slice(model.moe.local_expert_range.start, model.moe.local_expert_range.stop)
-    g = torch.Generator(device=device).manual_seed(5)
-    for _ in range(steps):
-        xs = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
-        ts = [torch.randn(L, d, generator=g, device=device) for _ in range(world)]
-        opt_ref.zero_grad(set_to_none=True)
-        work = copy.deepcopy(ref).to(torch.bfloat16)  # what FSDP2's bf16 all-gather computes with
-        ((work(torch.cat(xs).bfloat16()).float() - torch.cat(ts)) ** 2).mean().backward()
-        for p_ref, p_work in zip(ref.parameters(), work.parameters(), strict=True):
-            p_ref.grad = p_work.grad.float()
-        opt_ref.step()
-        opt.zero_grad()
-        ((model(xs[rank].bfloat16()).float() - ts[rank]) ** 2).mean().backward()
-        opt.step()
-    want = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        key = n.replace("moe.experts.", "moe.")
-        w = want[key][sl] if "experts" in n else want[key]
-        _close(f"gpu fsdp: {n}", full, w, rtol=1e-2)
-    print("OK gpu_fsdp", flush=True)
+    """NCCL, one GPU per rank: the mixed-precision check with a float32 reduction."""
+    _fsdp_mixed_precision(rank, world, torch.device("cuda", rank), torch.float32, (256, 128, 8, 2, 512, 3),
+                          "gpu_fsdp")
 
 
 def suite_errors(rank, world):
