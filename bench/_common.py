@@ -23,7 +23,6 @@ import sys
 
 from blazecore_app.timing import CLOCKS, Timing, cuda_time, time_call, time_calls, wall_time  # noqa: F401
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 MIB = float(1 << 20)
 
@@ -46,24 +45,12 @@ def gpu_slug(name: str) -> str:
     return s or "gpu"
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty). $BLAZECORE_GIT_COMMIT when set (a copy of the tree whose .git is not its history),
-    else the checkout's HEAD, else 'unknown'."""
-    if os.environ.get("BLAZECORE_GIT_COMMIT"):
-        return os.environ["BLAZECORE_GIT_COMMIT"], None
-    commit = _git("rev-parse", "HEAD")
-    if not commit:
-        return os.environ.get("BLAZECORE_GIT_COMMIT", "unknown"), None
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return commit, (bool(status) if status is not None else None)
+    """(commit, dirty): :func:`blazecore_app.info.source_commit`, 'unknown' where it finds none."""
+    from blazecore_app.info import source_commit
+
+    commit, dirty = source_commit()
+    return commit or "unknown", dirty
 
 
 def _version(module_name: str) -> str | None:

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,15 +49,6 @@ def _need_gpu():
     if not torch.cuda.is_available():
         sys.exit("bench_router: torch.cuda.is_available() is False; this benchmark needs a CUDA GPU")
     return cupy, torch
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _time(fn, iters, repeats, warmup=5):
@@ -171,13 +161,14 @@ def main():
     tokens = TOKENS[1:2] if args.quick else TOKENS
     repeats = 5 if args.quick else args.repeats
     dev = torch.cuda.get_device_properties(0)
+    commit, dirty = common.git_commit()
     header = {
         "gpu": dev.name,
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "torch": torch.__version__,
         "cupy": cupy.__version__,
         "blazecore": blazecore.__version__,
-        "commit": _git_commit(),
+        "commit": commit + ("+dirty" if dirty else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,

@@ -344,3 +344,27 @@ def test_scaling_plots(tmp_path):
     assert series["blazecore[ab]"]["memory"][-1] == (16384, 16384 * 1000)
     for p in pngs:
         assert p.stat().st_size > 1000
+
+
+def test_source_commit_prefers_the_environment(monkeypatch):
+    """Results and train logs name the code's commit from one place: $BLAZECORE_GIT_COMMIT when set (a copied tree),
+    else this checkout's HEAD (what `git rev-parse HEAD` says), and the benchmarks' headers take the same."""
+    from blazecore_app import info
+
+    from bench import _common
+
+    monkeypatch.setenv("BLAZECORE_GIT_COMMIT", "feedc0de")
+    assert info.source_commit() == ("feedc0de", None)
+    assert _common.git_commit() == ("feedc0de", None)
+    monkeypatch.delenv("BLAZECORE_GIT_COMMIT")
+    root = pathlib.Path(info.blazecore.__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = None
+    commit, dirty = info.source_commit()
+    assert commit == head
+    assert _common.git_commit()[0] == (head or "unknown")
+    if head is not None:
+        assert dirty in (True, False)

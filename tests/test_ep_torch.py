@@ -76,6 +76,17 @@ def test_fsdp2_mixed_precision_keeps_float32_gates():
         assert "OK fsdp_mp" in out, out
 
 
+def test_fsdp2_refuses_a_policy_that_is_not_one():
+    """fully_shard_expert_parallel: an mp_policy that is not FSDP2's MixedPrecisionPolicy is a TypeError before the
+    mesh is read or anything is sharded."""
+    from blazecore_torch.parallel import fully_shard_expert_parallel
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="mp_policy: expected a torch.distributed.fsdp.MixedPrecisionPolicy, got str"):
+        fully_shard_expert_parallel(model, None, mp_policy="bf16")
+    assert not hasattr(model, "_get_fsdp_state")  # nothing was sharded
+
+
 def test_bad_input_raises_before_communication():
     for out in _launch(2, "errors", timeout=120):
         assert "OK errors" in out, out

@@ -410,10 +410,14 @@ def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", e
     the experts' copy of an ``mp_policy`` has ``cast_forward_inputs=False``: their inputs (the received rows,
     already in the compute dtype, and the router's gates, which ``moe_ffn`` takes in float32) pass as they are.
 
-    Returns the flattened mesh.
+    Returns the flattened mesh. Raises TypeError for an ``mp_policy`` that is not a ``MixedPrecisionPolicy`` and
+    ValueError for a mesh without the two named dimensions, before anything is sharded.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = fsdp_kwargs.get("mp_policy")
+    if mp is not None and not isinstance(mp, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy: expected a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(mp).__name__}")
     names = mesh.mesh_dim_names or ()
     for dim in (dp_dim, ep_dim):
         if dim not in names:
@@ -429,8 +433,8 @@ def fully_shard_expert_parallel(model: nn.Module, mesh, *, dp_dim: str = "dp", e
                              f"{ep_dim!r} group: build it with group=mesh (ep_dim={ep_dim!r})")
     flat = mesh[dp_dim, ep_dim]._flatten(f"{dp_dim}_{ep_dim}")
     expert_kwargs = dict(fsdp_kwargs)
-    if expert_kwargs.get("mp_policy") is not None:
-        expert_kwargs["mp_policy"] = dataclasses.replace(expert_kwargs["mp_policy"], cast_forward_inputs=False)
+    if mp is not None:
+        expert_kwargs["mp_policy"] = dataclasses.replace(mp, cast_forward_inputs=False)
     for layer in layers:
         fully_shard(layer.experts, mesh=mesh[dp_dim], **expert_kwargs)
         # each expert's gradient sums its whole ep row's tokens: average over every rank, not over dp only

@@ -19,6 +19,30 @@ import blazecore
 NO_DRIVER = "no NVIDIA driver or GPU found"
 
 
+def source_commit() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the code that runs, for results and logs: $BLAZECORE_GIT_COMMIT when set (a copy of the
+    tree whose .git is not its history; dirty then unknown), else the HEAD of the git checkout holding blazecore
+    and whether tracked files differ from it, else (None, None)."""
+    if os.environ.get("BLAZECORE_GIT_COMMIT"):
+        return os.environ["BLAZECORE_GIT_COMMIT"], None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(blazecore.__file__)))
+
+    def git(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None, None
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return commit, (bool(status) if status is not None else None)
+
+
 def _editable_checkout() -> str | None:
     """The source directory when blazecore is installed from a checkout in editable mode (pip install -e), else None."""
     try:

@@ -50,7 +50,7 @@ import blazecore
 from blazecore.layer import check_weight_layout
 
 from . import baselines as _baseline
-from . import distributed
+from . import distributed, info
 from .corpus import SyntheticLanguage
 
 __all__ = ["PRESETS", "ConfigError", "MoETransformer", "TrainConfig", "resolve", "run"]
@@ -584,22 +584,6 @@ def _write_json(path: str, doc: dict) -> None:
     os.replace(tmp, p)
 
 
-def _git_commit() -> str | None:
-    """$BLAZECORE_GIT_COMMIT when set (a copy of the tree whose .git is not its history, as the benchmarks' headers
-    take it), else the checkout's HEAD, or None outside a checkout."""
-    if os.environ.get("BLAZECORE_GIT_COMMIT"):
-        return os.environ["BLAZECORE_GIT_COMMIT"]
-    root = pathlib.Path(blazecore.__file__).resolve().parents[1]
-    head = root / ".git" / "HEAD"
-    try:
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            return (root / ".git" / ref[5:]).read_text().strip()
-        return ref
-    except OSError:
-        return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -857,7 +841,7 @@ def _log_document(cfg, status, device, history, val_history, progress_log, init_
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "blazecore": blazecore.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": info.source_commit()[0],
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "corpus": corpus,
         "parameters": n_params,
