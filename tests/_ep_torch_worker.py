@@ -18,6 +18,7 @@ import blazecore_torch
 import torch
 import torch.distributed as dist
 from blazecore_torch.parallel import (
+    EXCHANGES,
     ExpertParallelMoELayer,
     all_reduce_gradients,
     clip_grad_norm_,
@@ -100,35 +101,52 @@ def suite_layer(rank, world):
         x_all = torch.cat(xs).requires_grad_(True)
         y_all, aux_all = full(x_all)
         (y_all * torch.cat(dys)).sum().backward()
-        # this rank's part through the EP layer
-        ep = ExpertParallelMoELayer.from_layer(full)
-        x = xs[rank].clone().requires_grad_(True)
-        y, aux = ep(x)
-        (y * dys[rank]).sum().backward()
-        lo = sum(t.shape[0] for t in xs[:rank])
-        rows = slice(lo, lo + xs[rank].shape[0])
-        sl = slice(ep.local_expert_range.start, ep.local_expert_range.stop)
-        _close(f"{case}: y", y, y_all[rows], rtol)
-        _close(f"{case}: dx", x.grad, x_all.grad[rows], rtol)
-        _close(f"{case}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], rtol)
-        _close(f"{case}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], rtol)
-        if gpt_oss:
-            assert ep.experts.weight_layout == "in_out" and ep.experts.gate_up_proj.shape[1] == d
-            _close(f"{case}: d gate_up_proj_bias", ep.experts.gate_up_proj_bias.grad, full.gate_up_proj_bias.grad[sl],
-                   rtol)
-            _close(f"{case}: d down_proj_bias", ep.experts.down_proj_bias.grad, full.down_proj_bias.grad[sl], rtol)
-        drouter = ep.router.weight.grad.clone()
-        dist.all_reduce(drouter)  # the router is replicated: its gradient sums over the ranks' tokens
-        _close(f"{case}: d router", drouter, full.router.weight.grad, rtol)
-        counts = aux["tokens_per_expert"].to(torch.int64)
-        dist.all_reduce(counts)
-        assert counts.tolist() == aux_all["tokens_per_expert"].tolist(), (counts, aux_all["tokens_per_expert"])
-        # every routing property the case promises held
-        if case == "empty_from_rank":
-            assert int(aux["tokens_per_expert"][rank % E]) == 0
-        if case == "k_eq_e":
-            assert int(aux["tokens_per_expert"].sum()) == xs[rank].shape[0] * E
-        print(f"OK {case}", flush=True)
+        for exchange in EXCHANGES:
+            _check_ep_case(rank, world, case, exchange, full, xs, dys, x_all, y_all, aux_all, rtol, gpt_oss)
+
+
+def _check_ep_case(rank, world, case, exchange, full, xs, dys, x_all, y_all, aux_all, rtol, gpt_oss):
+    """This rank's part through the EP layer (``exchange``) against the single-process layer's results on every
+    rank's tokens: output, every gradient, the counts."""
+    E, d = full.num_experts, full.hidden_size
+    ep = ExpertParallelMoELayer.from_layer(full, exchange=exchange)
+    assert ep.exchange == exchange
+    tag = f"{case} ({exchange})"
+    x = xs[rank].clone().requires_grad_(True)
+    y, aux = ep(x)
+    (y * dys[rank]).sum().backward()
+    # the rows sent: K a token, or one a token and destination rank (the ids from the router's logits, independently)
+    K = full.top_k
+    ids = aux["router_logits"].detach().topk(K, dim=1).indices
+    if full.expert_bias is not None:  # the bias shifts the selection, not the gates
+        ids = (aux["router_logits"].detach().softmax(1) + full.expert_bias).topk(K, dim=1).indices
+    per_rank = E // world
+    want = x.shape[0] * K if exchange == "pairs" else sum(len({int(i) // per_rank for i in row}) for row in ids)
+    assert ep.last_rows_sent == want, (tag, ep.last_rows_sent, want)
+    lo = sum(t.shape[0] for t in xs[:rank])
+    rows = slice(lo, lo + xs[rank].shape[0])
+    sl = slice(ep.local_expert_range.start, ep.local_expert_range.stop)
+    _close(f"{tag}: y", y, y_all[rows], rtol)
+    _close(f"{tag}: dx", x.grad, x_all.grad[rows], rtol)
+    _close(f"{tag}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], rtol)
+    _close(f"{tag}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], rtol)
+    if gpt_oss:
+        assert ep.experts.weight_layout == "in_out" and ep.experts.gate_up_proj.shape[1] == d
+        _close(f"{tag}: d gate_up_proj_bias", ep.experts.gate_up_proj_bias.grad, full.gate_up_proj_bias.grad[sl],
+               rtol)
+        _close(f"{tag}: d down_proj_bias", ep.experts.down_proj_bias.grad, full.down_proj_bias.grad[sl], rtol)
+    drouter = ep.router.weight.grad.clone()
+    dist.all_reduce(drouter)  # the router is replicated: its gradient sums over the ranks' tokens
+    _close(f"{tag}: d router", drouter, full.router.weight.grad, rtol)
+    counts = aux["tokens_per_expert"].to(torch.int64)
+    dist.all_reduce(counts)
+    assert counts.tolist() == aux_all["tokens_per_expert"].tolist(), (counts, aux_all["tokens_per_expert"])
+    # every routing property the case promises held
+    if case == "empty_from_rank":
+        assert int(aux["tokens_per_expert"][rank % E]) == 0
+    if case == "k_eq_e":
+        assert int(aux["tokens_per_expert"].sum()) == xs[rank].shape[0] * E
+    print(f"OK {case}/{exchange}", flush=True)
 
 
 class _Model(nn.Module):
@@ -350,19 +368,25 @@ def suite_gpu(rank, world):
     x_all = torch.cat(xs).requires_grad_(True)
     y_all, _ = full(x_all)
     (y_all.float() * torch.cat(dys).float()).sum().backward()
-    x = xs[rank].clone().requires_grad_(True)
-    y, _ = ep(x)
-    (y.float() * dys[rank].float()).sum().backward()
     lo = sum(counts[:rank])
     rows, sl = slice(lo, lo + counts[rank]), slice(ep.local_expert_range.start, ep.local_expert_range.stop)
     tol = 2e-2
-    _close("gpu: y", y, y_all[rows], tol)
-    _close("gpu: dx", x.grad, x_all.grad[rows], tol)
-    _close("gpu: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], tol)
-    _close("gpu: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], tol)
-    drouter = ep.router.weight.grad.float()
-    dist.all_reduce(drouter)
-    _close("gpu: d router", drouter, full.router.weight.grad, tol)
+    sent = {}
+    for exchange in EXCHANGES:
+        ep.exchange = exchange
+        ep.zero_grad(set_to_none=True)
+        x = xs[rank].clone().requires_grad_(True)
+        y, _ = ep(x)
+        (y.float() * dys[rank].float()).sum().backward()
+        sent[exchange] = ep.last_rows_sent
+        _close(f"gpu {exchange}: y", y, y_all[rows], tol)
+        _close(f"gpu {exchange}: dx", x.grad, x_all.grad[rows], tol)
+        _close(f"gpu {exchange}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], tol)
+        _close(f"gpu {exchange}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], tol)
+        drouter = ep.router.weight.grad.float()
+        dist.all_reduce(drouter)
+        _close(f"gpu {exchange}: d router", drouter, full.router.weight.grad, tol)
+    assert sent["pairs"] == counts[rank] * K and counts[rank] <= sent["tokens"] < sent["pairs"], sent
     print("OK gpu", flush=True)
 
 
@@ -386,6 +410,8 @@ def suite_errors(rank, world):
     expect(ValueError, lambda: ExpertParallelMoELayer(8, 4, world + 1, 1, dtype=torch.float64), "not divisible")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     expect(ValueError, lambda: ExpertParallelMoELayer(8, 4, 2 * world, 1, group=mesh, ep_dim="ep"), "no dimension")
+    expect(ValueError, lambda: ExpertParallelMoELayer(8, 4, 2 * world, 1, exchange="rows"), "exchange must be")
+    expect(ValueError, lambda: to_expert_parallel(nn.Linear(2, 2), None, exchange="token"), "exchange must be")
     layer = ExpertParallelMoELayer(8, 4, 2 * world, 1, dtype=torch.float64)
     expect(ValueError, lambda: layer(torch.zeros(3, 8, dtype=torch.float64, device="meta")), "one device")
     expect(TypeError, lambda: layer(torch.zeros(3, 8)), "dtype")

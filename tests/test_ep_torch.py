@@ -60,7 +60,7 @@ def test_layer_matches_single_process(world):
              "in_out_biases"}
     for out in outs:
         done = {line.split()[1] for line in out.splitlines() if line.startswith("OK ")}
-        assert done == cases, out
+        assert done == {f"{c}/{x}" for c in cases for x in ("tokens", "pairs")}, out
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -117,7 +117,7 @@ def test_fsdp2_mixed_precision_on_gpus():
 @pytest.mark.gpu
 def test_ep_size_one_nccl_gives_plain_layer_bits():
     """One process, NCCL, ep_size 1: the same bits as MoELayer (forward and every gradient), bf16; the all-to-all
-    path against the group of one (``always_exchange``) agrees within bf16 tolerance."""
+    path against the group of one (``always_exchange``), both exchanges, agrees within bf16 tolerance."""
     import blazecore_torch
     import torch.distributed as dist
     from blazecore_torch.parallel import ExpertParallelMoELayer
@@ -149,10 +149,13 @@ def test_ep_size_one_nccl_gives_plain_layer_bits():
         for name, a in run(ep).items():
             assert torch.equal(a, want[name]), f"{name}: not the plain layer's bits"
         ep.always_exchange = True
-        for name, a in run(ep).items():
-            b = want[name].double()
-            err = (a.double() - b).norm() / b.norm()
-            assert err < 2e-2, f"{name} through the all-to-all path: relative norm error {err:.2e}"
+        for exchange in ("tokens", "pairs"):
+            ep.exchange = exchange
+            for name, a in run(ep).items():
+                b = want[name].double()
+                err = (a.double() - b).norm() / b.norm()
+                assert err < 2e-2, f"{name} through the {exchange} all-to-all path: relative norm error {err:.2e}"
+            assert ep.last_rows_sent == (L if exchange == "tokens" else L * K), (exchange, ep.last_rows_sent)
     finally:
         dist.destroy_process_group()
 

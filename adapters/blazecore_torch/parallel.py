@@ -2,28 +2,35 @@
 
 The E experts are split over the ranks of an expert-parallel (EP) process group: rank r holds experts
 [r * E_local, (r + 1) * E_local), E_local = E / ep_size. Every rank routes its own tokens and the routed
-rows travel to the rank that holds their expert and back:
+rows travel to the ranks that hold their experts and back. ``exchange="tokens"`` (the default) sends each
+token once to every rank that holds one of its experts:
 
     1. route locally: gates, ids (L, K) = route_topk(x @ router^T); dispatch = build_dispatch(ids, E), the
        sort-free build, whose slots are ordered by expert, hence by destination rank.
-    2. count exchange: the (E,) pair counts go through one ``all_to_all_single`` (E / ep_size per rank),
-       so each rank learns how many rows of every source rank its local experts get. The send and
-       receive split sizes are read to the host in ONE transfer: the layer's only host synchronisation
-       (``all_to_all_single`` takes its splits as Python lists; the receive buffer's size is a shape).
-    3. pack: ``x.index_select(0, slot_token)`` writes the (L*K, d) send buffer straight from x (gather
-       in expert order; no other (L*K, d) copy of x exists). The gates travel alongside, (L*K,) scalars.
-    4. token exchange: ``all_to_all_single`` of the rows and of the gates.
-    5. local experts: the N received rows are N tokens with K = 1 and their own gate, ids built on the
-       device from the received counts (no host read), dispatched with ``build_dispatch`` and run by
-       ``moe_ffn``: gather, activation and gate scaling fused as on one GPU.
-    6. return exchange: the (N, d) results go back with the splits swapped, arriving in slot order.
-    7. combine: y[t] = sum_k back[pair_slot[t, k]], K row gathers of (L, d) each, in k order:
-       deterministic, no atomics.
+    2. count exchange: per destination rank, the pair counts of its E_local experts and the number of rows
+       (tokens with at least one expert there) go through one ``all_to_all_single``. The four split lists
+       (rows and pairs, sent and received) are read to the host in ONE transfer: the layer's only host
+       synchronisation (``all_to_all_single`` takes its splits as Python lists; a buffer's size is a shape).
+    3. pack: ``x.index_select`` writes the send buffer straight from x, one row per (token, destination),
+       rank-major. Alongside go each pair's gate and row (in slot order, i.e. expert order) and each row's
+       pairs (-1 padded to min(K, E_local)); every index is built on the device by scatters to distinct
+       targets (no sort, no atomics).
+    4. exchange: ``all_to_all_single`` of the rows, the gates and the two index arrays.
+    5. local experts: the received rows are gathered once per pair (a local copy in expert order), run by
+       ``moe_ffn`` as tokens with K = 1 and their own gate (ids built on the device from the received
+       counts), and each row's pairs summed in k order (float32, rounded once).
+    6. return exchange: the per-row sums go back with the splits swapped.
+    7. combine: y[t] = the sum of t's returned rows in rank order: deterministic, no atomics.
+
+With uniform routing a token has ep * (1 - C(E - E_local, K) / C(E, K)) distinct destination ranks on average,
+e.g. 2.0 for olmoe (E = 64, K = 8) over 2 ranks and 3.66 over 4, against K rows a token with ``exchange="pairs"``, which
+sends one row per (token, expert) pair: the (L*K, d) send buffer x[slot_token], the (N, d) results back in
+slot order, combined by y[t] = sum_k back[pair_slot[t, k]].
 
 The backward is the mirror image, through autograd: the all-to-alls are autograd Functions whose backward
-is the all-to-all with swapped splits; the pack's backward is the combine (dx[t] = sum_k dsend[pair_slot[t,
-k]]) and the combine's backward is the pack (a gather of dy by slot_token); ``moe_ffn``'s own backward
-gives the local experts' dw13, dw2, the received rows' dx and their dgates.
+is the all-to-all with swapped splits; every gather's backward is the matching row sum (by the -1 padded
+inverse index the forward built) and every row sum's backward is a gather; ``moe_ffn``'s own backward
+gives the local experts' dw13, dw2, the rows' dx and their dgates.
 
 With ep_size 1 no exchange is needed and the layer runs the plain layer's ops on x directly (the same
 bits as ``MoELayer``), unless ``always_exchange`` is set (the full path against a group of one, e.g. to
@@ -47,6 +54,8 @@ from blazecore.layer import resolve_plan
 
 from . import ops
 from .layer import MoELayer, add_expert_parameters, check_layer_options, reset_expert_biases, reset_expert_weights
+
+EXCHANGES = ("tokens", "pairs")
 
 __all__ = [
     "ExpertParallelMoELayer",
@@ -141,46 +150,58 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out
 
 
-def _sum_rows(rows: torch.Tensor, pair_slot: torch.Tensor) -> torch.Tensor:
-    """y[t] = sum_k rows[pair_slot[t, k]], summed in k order (deterministic; each row read once). 16-bit rows are
-    summed in float32 and rounded once, as the single-GPU combine does."""
-    L, K = pair_slot.shape
-    y = rows.index_select(0, pair_slot[:, 0])
+def _sum_rows(rows: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
+    """y[i] = sum_j rows[index[i, j]], summed in j order (deterministic; each row read once). Column 0 always
+    names a row; with ``padded`` the later columns may hold -1 (nothing to add). 16-bit rows are summed in float32
+    and rounded once, as the single-GPU combine does."""
+    n, K = index.shape
+    y = rows.index_select(0, index[:, 0])
     if K == 1:
         return y
     wide = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
-    for k in range(1, K):
-        wide.add_(rows.index_select(0, pair_slot[:, k]))
+    for j in range(1, K):
+        col = index[:, j]
+        if padded:
+            part = rows.index_select(0, col.clamp(min=0))
+            wide.add_(part.masked_fill_((col < 0).unsqueeze(1), 0))
+        else:
+            wide.add_(rows.index_select(0, col))
     return wide.to(rows.dtype)
 
 
-class _Pack(torch.autograd.Function):
-    """The send buffer: x's rows in slot order (x[slot_token]). Backward: dx[t] = sum_k dsend[pair_slot[t, k]]."""
+class _Gather(torch.autograd.Function):
+    """rows[i] = x[index[i]]. ``inverse`` (x's rows, J) lists, for every row of x, the i that read it (column 0
+    always, the later columns -1 where ``padded``); the backward is dx[t] = sum_j drows[inverse[t, j]]."""
 
     @staticmethod
-    def forward(ctx, x, slot_token, pair_slot):
-        ctx.save_for_backward(pair_slot)
-        return x.index_select(0, slot_token)
+    def forward(ctx, x, index, inverse, padded: bool):
+        ctx.save_for_backward(inverse)
+        ctx.padded = padded
+        return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, dsend):
-        (pair_slot,) = ctx.saved_tensors
-        return _sum_rows(dsend.contiguous(), pair_slot), None, None
+    def backward(ctx, drows):
+        (inverse,) = ctx.saved_tensors
+        return _sum_rows(drows.contiguous(), inverse, ctx.padded), None, None, None
 
 
-class _Combine(torch.autograd.Function):
-    """y[t] = sum_k back[pair_slot[t, k]] for the gate-scaled rows ``back`` in slot order. Backward: the pack,
-    dback = dy[slot_token]."""
+class _SumRows(torch.autograd.Function):
+    """y[t] = sum_j rows[index[t, j]] (see ``_sum_rows``); ``inverse`` (rows,) names each row's t. Backward: the
+    gather drows = dy[inverse]."""
 
     @staticmethod
-    def forward(ctx, back, pair_slot, slot_token):
-        ctx.save_for_backward(slot_token)
-        return _sum_rows(back, pair_slot)
+    def forward(ctx, rows, index, inverse, padded: bool):
+        ctx.save_for_backward(inverse)
+        return _sum_rows(rows, index, padded)
 
     @staticmethod
     def backward(ctx, dy):
-        (slot_token,) = ctx.saved_tensors
-        return dy.contiguous().index_select(0, slot_token), None, None
+        (inverse,) = ctx.saved_tensors
+        return dy.contiguous().index_select(0, inverse), None, None, None
+
+
+def _exclusive_cumsum(a: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(a, 0) - a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +252,11 @@ class ExpertParallelMoELayer(nn.Module):
             a dimension named ``ep_dim``). torch.distributed must be initialised; the backend must fit the
             device (NCCL: CUDA tensors on the current device, gloo: CPU tensors).
         ep_dim: the mesh dimension of the experts when ``group`` is a multi-dimensional DeviceMesh.
+        exchange: ``"tokens"`` (the default): each token travels once to every rank that holds one of its
+            experts, and that rank sums the token's local experts before the row comes back (each token sends
+            as many rows as it has distinct destination ranks, at most min(K, ep_size)); ``"pairs"``: one row
+            per (token, expert) pair each way, K rows a token. Both give the same result up to the summation
+            order (with "tokens" a rank's partial sum is rounded once to the compute dtype before it returns).
         device, dtype: of the parameters.
 
     Parameters: ``router`` (nn.Linear d -> E, no bias; replicated: identical on every rank) and ``experts``
@@ -240,15 +266,19 @@ class ExpertParallelMoELayer(nn.Module):
     ``forward(x)`` takes this rank's tokens x (..., d) (any count, 0 included; ranks may differ) and returns
     ``(y, aux)`` like ``MoELayer``: aux's ``load_balancing_loss``, ``z_loss``, ``router_logits`` and
     ``tokens_per_expert`` (E,) are of this rank's tokens. The forward synchronises the host once, for the
-    count exchange (see the module's docstring).
+    count exchange (see the module's docstring). ``last_rows_sent`` then holds the number of rows of d values
+    this rank sent out in that forward (as many come back, and the backward moves the same counts); 0 where no
+    exchange ran.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
                  ep_dim: str = "ep", activation: str = "swiglu", score: str = "softmax", renormalize: bool = True,
                  expert_bias: bool = False, checkpoint: str = "ab", chunks=1, memory_budget=None,
-                 retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False, device=None,
-                 dtype=None):
+                 retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False,
+                 exchange: str = "tokens", device=None, dtype=None):
         super().__init__()
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
         gated = check_layer_options(hidden_size, intermediate_size, num_experts, top_k, activation=activation,
                                     score=score, checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)
         self.group = resolve_ep_group(group, ep_dim=ep_dim)
@@ -263,6 +293,8 @@ class ExpertParallelMoELayer(nn.Module):
         self.activation, self.score, self.renormalize, self.checkpoint = activation, score, renormalize, checkpoint
         self.chunks, self.memory_budget, self.retain_saved = chunks, memory_budget, bool(retain_saved)
         self.always_exchange = False
+        self.exchange = exchange
+        self.last_rows_sent = None
         fk = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **fk)
         R = 2 * intermediate_size if gated else intermediate_size
@@ -282,7 +314,8 @@ class ExpertParallelMoELayer(nn.Module):
         return (f"d={self.hidden_size}, h={self.intermediate_size}, experts={self.num_experts} "
                 f"({self.num_local_experts} local of ep_size {self.ep_size}), top_k={self.top_k}, "
                 f"activation={self.activation}, score={self.score}, checkpoint={self.checkpoint}, "
-                f"weight_layout={self.experts.weight_layout}, bias={self.experts.gate_up_proj_bias is not None}")
+                f"weight_layout={self.experts.weight_layout}, bias={self.experts.gate_up_proj_bias is not None}, "
+                f"exchange={self.exchange}")
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
@@ -301,7 +334,8 @@ class ExpertParallelMoELayer(nn.Module):
             self.experts.down_proj_bias.copy_(state["down_proj_bias"][sl])
 
     @classmethod
-    def from_layer(cls, layer: nn.Module, *, group=None, ep_dim: str = "ep") -> ExpertParallelMoELayer:
+    def from_layer(cls, layer: nn.Module, *, group=None, ep_dim: str = "ep",
+                   exchange: str = "tokens") -> ExpertParallelMoELayer:
         """An EP layer with a full ``MoELayer``'s configuration and weights (this rank's experts sliced out)."""
         w = layer.gate_up_proj
         ep = cls(layer.hidden_size, layer.intermediate_size, layer.num_experts, layer.top_k, group=group,
@@ -309,7 +343,8 @@ class ExpertParallelMoELayer(nn.Module):
                  expert_bias=layer.expert_bias is not None, checkpoint=layer.checkpoint, chunks=layer.chunks,
                  memory_budget=layer.memory_budget, retain_saved=getattr(layer, "retain_saved", False),
                  weight_layout=getattr(layer, "weight_layout", "out_in"),
-                 bias=getattr(layer, "gate_up_proj_bias", None) is not None, device=w.device, dtype=w.dtype)
+                 bias=getattr(layer, "gate_up_proj_bias", None) is not None, exchange=exchange, device=w.device,
+                 dtype=w.dtype)
         ep.load_full_state_dict(layer.state_dict())
         return ep
 
@@ -333,9 +368,10 @@ class ExpertParallelMoELayer(nn.Module):
         # ids from route_topk are in range and distinct: no validation read
         dispatch = ops.build_dispatch(ids, self.num_experts, validate=False)
         if self.ep_size == 1 and not self.always_exchange:
+            self.last_rows_sent = 0
             y = self._experts(tokens, gates, ids, dispatch, self.top_k, self.num_experts)
         else:
-            y = self._exchange_and_run(tokens, gates, dispatch)
+            y = self._exchange_and_run(tokens, gates, ids, dispatch)
         aux = {
             "load_balancing_loss": ops.load_balancing_loss(logits, ids),
             "z_loss": ops.router_z_loss(logits),
@@ -364,7 +400,24 @@ class ExpertParallelMoELayer(nn.Module):
         counts = tokens_per_expert.to(self.expert_bias.device, torch.float32)
         self.expert_bias.add_(rate * torch.sign(counts.mean() - counts))
 
-    def _exchange_and_run(self, tokens, gates, dispatch) -> torch.Tensor:
+    def _exchange_and_run(self, tokens, gates, ids, dispatch) -> torch.Tensor:
+        if self.exchange == "pairs":
+            return self._exchange_pairs(tokens, gates, dispatch)
+        return self._exchange_tokens(tokens, gates, ids, dispatch)
+
+    def _local_run(self, rows, row_gates, recv_counts, n_recv: int) -> torch.Tensor:
+        """The local experts on the received rows (n_recv, d), each one a token with K = 1 and its own gate; the
+        rows of every source arrive in expert order, ``recv_counts`` (ep, E_local) of them an expert. The ids are
+        built on the device (no host read)."""
+        ep, El = self.ep_size, self.num_local_experts
+        local = torch.arange(El, device=rows.device, dtype=torch.int32).repeat(ep)
+        recv_ids = torch.repeat_interleave(local, recv_counts.reshape(-1).to(torch.int64),
+                                           output_size=n_recv).view(n_recv, 1)
+        local_dispatch = ops.build_dispatch(recv_ids, El, validate=False)
+        return self._experts(rows, row_gates.view(n_recv, 1), recv_ids, local_dispatch, 1, El)
+
+    def _exchange_pairs(self, tokens, gates, dispatch) -> torch.Tensor:
+        """One row per (token, expert) pair each way."""
         ep, El, K = self.ep_size, self.num_local_experts, self.top_k
         counts = dispatch.counts()  # (E,) int32, pairs per global expert in slot order
         # 1. count exchange: recv_counts[s, j] = rows rank s sends to local expert j
@@ -374,23 +427,90 @@ class ExpertParallelMoELayer(nn.Module):
         host = torch.cat([counts.view(ep, El).sum(1, dtype=torch.int64),
                           recv_counts.view(ep, El).sum(1, dtype=torch.int64)]).tolist()
         send_splits, recv_splits = host[:ep], host[ep:]
-        n_recv = sum(recv_splits)
+        self.last_rows_sent = sum(send_splits)
         # 2. pack: the send buffer gathered straight from x; gates in slot order alongside
         slot_token, slot_k, pair_slot = dispatch.slot_token, dispatch.slot_k, dispatch.pair_slot
-        send = _Pack.apply(tokens, slot_token, pair_slot)
+        send = _Gather.apply(tokens, slot_token, pair_slot, False)
         pair = slot_token.to(torch.int64) * K + slot_k
         send_gates = gates.reshape(-1).index_select(0, pair)
-        # 3. token exchange
+        # 3. token exchange; 4. local experts
         recv = _AllToAll.apply(send, recv_splits, send_splits, self.group)
         recv_gates = _AllToAll.apply(send_gates, recv_splits, send_splits, self.group)
-        # 4. local experts: each received row a token with K = 1, ids from the received counts on the device
-        local = torch.arange(El, device=tokens.device, dtype=torch.int32).repeat(ep)
-        recv_ids = torch.repeat_interleave(local, recv_counts.to(torch.int64), output_size=n_recv).view(n_recv, 1)
-        local_dispatch = ops.build_dispatch(recv_ids, El, validate=False)
-        out = self._experts(recv, recv_gates.view(n_recv, 1), recv_ids, local_dispatch, 1, El)
+        out = self._local_run(recv, recv_gates, recv_counts.view(ep, El), sum(recv_splits))
         # 5. results back, in slot order; 6. combine over k
         back = _AllToAll.apply(out, send_splits, recv_splits, self.group)
-        return _Combine.apply(back, pair_slot, slot_token)
+        return _SumRows.apply(back, pair_slot, slot_token, False)
+
+    def _exchange_tokens(self, tokens, gates, ids, dispatch) -> torch.Tensor:
+        """Each token once to every rank that holds one of its experts; that rank sums the token's local experts
+        before the row comes back (see the module's docstring)."""
+        ep, El, K = self.ep_size, self.num_local_experts, self.top_k
+        dev, L = tokens.device, tokens.shape[0]
+        i64 = torch.int64
+        dest = ids.to(i64) // El  # (L, K) the rank of each pair's expert
+        hot = dest.unsqueeze(2) == torch.arange(ep, device=dev)  # (L, K, ep)
+        sent = hot.any(1)  # (L, ep): token t has a row for rank r
+        pair_counts = dispatch.counts().to(i64).view(ep, El)
+        # 1. count exchange, per destination: the pairs of each of its experts, and the rows
+        send_meta = torch.cat([pair_counts, sent.sum(0, dtype=i64).view(ep, 1)], 1)
+        recv_meta = torch.empty_like(send_meta)
+        dist.all_to_all_single(recv_meta, send_meta, group=self.group)
+        # the one host synchronisation: the four split lists in a single device-to-host transfer
+        host = torch.cat([send_meta[:, :El].sum(1), send_meta[:, El], recv_meta[:, :El].sum(1),
+                          recv_meta[:, El]]).tolist()
+        send_pairs, send_rows = host[:ep], host[ep:2 * ep]
+        recv_pairs, recv_rows = host[2 * ep:3 * ep], host[3 * ep:]
+        n_rows, n_pairs_in, n_rows_in = sum(send_rows), sum(recv_pairs), sum(recv_rows)
+        self.last_rows_sent = n_rows
+        # 2. the rows in send order (rank-major, tokens ascending): row_flat = r * L + t, and row_pos[r, t] the
+        #    row of (t, r) where sent. Scatters with distinct targets (the unsent go to one spare entry, dropped).
+        flat = sent.t().reshape(-1)
+        row_pos = torch.cumsum(flat, 0) - 1
+        row_flat = torch.empty(n_rows + 1, dtype=i64, device=dev)
+        row_flat.scatter_(0, torch.where(flat, row_pos, n_rows), torch.arange(ep * L, device=dev))
+        row_flat = row_flat[:n_rows]
+        row_token = row_flat.remainder(max(L, 1))
+        row_pos = row_pos.view(ep, L)
+        row_start = _exclusive_cumsum(send_meta[:, El])
+        pair_start = _exclusive_cumsum(send_meta[:, :El].sum(1))
+        t_of = torch.arange(L, device=dev).unsqueeze(1).expand(L, K)
+        # each pair's row on its destination (relative to the rows this rank sends there), in slot order
+        pair_row = (row_pos[dest, t_of] - row_start[dest]).reshape(-1)
+        slot_pair = dispatch.slot_token.to(i64) * K + dispatch.slot_k
+        slot_row = pair_row.index_select(0, slot_pair)
+        # each row's pairs (their slots relative to the pairs this rank sends there), in k order, -1 padded
+        J = min(K, El)
+        within = hot.to(i64).cumsum(1).gather(2, dest.unsqueeze(2)).squeeze(2) - 1  # (L, K) < J
+        rel_slot = dispatch.pair_slot.to(i64) - pair_start[dest]
+        table = torch.full((ep * L * J,), -1, dtype=i64, device=dev)
+        table.scatter_(0, ((dest * L + t_of) * J + within).reshape(-1), rel_slot.reshape(-1))
+        row_pairs = table.view(ep * L, J).index_select(0, row_flat)
+        # the combine's index: each token's rows in rank order, -1 padded (column 0: every token has a row)
+        R = min(K, ep)
+        nth = sent.to(i64).cumsum(1) - 1
+        combine = torch.full((L * ep + 1,), -1, dtype=i64, device=dev)
+        combine.scatter_(0, torch.where(sent, torch.arange(L, device=dev).unsqueeze(1) * ep + nth, L * ep).reshape(-1),
+                         row_pos.t().reshape(-1))
+        combine = combine[:L * ep].view(L, ep)[:, :R]
+        # 3. exchange: the rows, each pair's gate and row, each row's pairs
+        send = _Gather.apply(tokens, row_token, combine, True)
+        send_gates = gates.reshape(-1).index_select(0, slot_pair)
+        recv = _AllToAll.apply(send, recv_rows, send_rows, self.group)
+        recv_gates = _AllToAll.apply(send_gates, recv_pairs, send_pairs, self.group)
+        in_row = _all_to_all(slot_row, recv_pairs, send_pairs, self.group)
+        in_pairs = _all_to_all(row_pairs, recv_rows, send_rows, self.group)
+        # 4. on this rank: one row per pair (a local gather), the local experts, each row's pairs summed
+        src_rows = recv_meta[:, El]
+        src_pairs = recv_meta[:, :El].sum(1)
+        in_row = in_row + torch.repeat_interleave(_exclusive_cumsum(src_rows), src_pairs, output_size=n_pairs_in)
+        offset = torch.repeat_interleave(_exclusive_cumsum(src_pairs), src_rows, output_size=n_rows_in)
+        in_pairs = torch.where(in_pairs >= 0, in_pairs + offset.unsqueeze(1), -1)
+        rows = _Gather.apply(recv, in_row, in_pairs, True)
+        out = self._local_run(rows, recv_gates, recv_meta[:, :El], n_pairs_in)
+        summed = _SumRows.apply(out, in_pairs, in_row, True)
+        # 5. the sums back, in send order; 6. each token's rows summed
+        back = _AllToAll.apply(summed, send_rows, recv_rows, self.group)
+        return _SumRows.apply(back, combine, row_token, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,14 +582,17 @@ def expert_parallel_mesh(ep_size: int, device_type: str = "cuda", *, dp_dim: str
     return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=(dp_dim, ep_dim))
 
 
-def to_expert_parallel(model: nn.Module, mesh, *, ep_dim: str = "ep") -> nn.Module:
+def to_expert_parallel(model: nn.Module, mesh, *, ep_dim: str = "ep", exchange: str = "tokens") -> nn.Module:
     """Replace every ``MoELayer`` in ``model`` by an :class:`ExpertParallelMoELayer` on ``mesh``'s ``ep_dim`` group
-    with the same configuration and weights (this rank's experts sliced out). Every rank must hold the same full
-    weights beforehand (the same seed). Returns ``model`` (changed in place)."""
+    with the same configuration and weights (this rank's experts sliced out; ``exchange`` as the layer's). Every rank
+    must hold the same full weights beforehand (the same seed). Returns ``model`` (changed in place)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoELayer):
-                setattr(parent, name, ExpertParallelMoELayer.from_layer(child, group=mesh, ep_dim=ep_dim))
+                setattr(parent, name, ExpertParallelMoELayer.from_layer(child, group=mesh, ep_dim=ep_dim,
+                                                                        exchange=exchange))
     return model
 
 
