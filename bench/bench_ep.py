@@ -6,6 +6,8 @@ return, combine), bf16. Each world size reports the median step time (CUDA event
 the global tokens/s (N * tokens per GPU / step time), the per-GPU rate, and every rank's peak allocated bytes
 (torch's allocator counts blazecore's buffers). With one GPU there is no exchange; a second row runs the
 all-to-all path against the group of one (``always_exchange``) to show what the exchange machinery costs.
+``--exchanges`` (default ``tokens,pairs``): a row per exchange of the layer, each token sent once to every rank that
+holds one of its experts, or one row per (token, expert) pair; each row records the rows sent a token.
 
 ``--impls`` (default ``blazecore,grouped_mm``): the same layer, router and exchange with the local experts run by
 blazecore's ``moe_ffn`` or by the ``torch._grouped_mm`` MoE of the baselines (``blazecore_app.baselines.
@@ -46,6 +48,7 @@ except ImportError:  # run as a script (torchrun bench/bench_ep.py): Python puts
 SHAPES = {"olmoe": (2048, 1024, 64, 8), "qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
           "fine": (1536, 256, 128, 8), "tiny": (64, 32, 8, 2)}
 IMPLS = ("blazecore", "grouped_mm")
+EXCHANGES = ("tokens", "pairs")  # blazecore_torch.parallel.EXCHANGES (not imported: the driver needs no torch)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -59,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", default="ab", choices=("ab", "none"))
     ap.add_argument("--impls", default="blazecore,grouped_mm",
                     help="the local experts: blazecore (moe_ffn), grouped_mm (the torch._grouped_mm MoE)")
+    ap.add_argument("--exchanges", default="tokens,pairs",
+                    help="the layer's exchanges to run: tokens (each token once to every rank that holds one of its "
+                         "experts), pairs (one row per (token, expert) pair)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the NCCL share (CUDA; 0: none)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
@@ -118,15 +124,19 @@ def _grouped_mm_experts(experts, baselines):
 
 
 def _rows(layer, x, dy, args, torch, dist, cuda, device, impl, modes, world, L, dims, dtype) -> list[dict]:
-    """One row per exchange mode of ``impl``: every rank's figures gathered to each rank."""
+    """One row per mode of ``impl`` (None: no exchange, one GPU; else the layer's ``exchange``): every rank's
+    figures gathered to each rank."""
     d, h, E, K = dims
     rows = []
-    for exchange in modes:
+    for mode in modes:
+        exchange = mode is not None
         layer.always_exchange = exchange and world == 1
+        if exchange:
+            layer.exchange = mode
         m = _measure(layer, x, dy, args, torch, dist, cuda)
         nccl = -1.0 if m["nccl_ms"] is None else m["nccl_ms"]
-        mine = torch.tensor([m["median_ms"], m["spread_ms"], float(m["peak_bytes"] or 0), nccl], dtype=torch.float64,
-                            device=device)
+        mine = torch.tensor([m["median_ms"], m["spread_ms"], float(m["peak_bytes"] or 0), nccl,
+                             float(layer.last_rows_sent)], dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         every = [t.tolist() for t in every]
@@ -135,6 +145,8 @@ def _rows(layer, x, dy, args, torch, dist, cuda, device, impl, modes, world, L, 
         rows.append({
             "shape": args.shape, "impl": impl, "d": d, "h": h, "E": E, "K": K, "gpus": world,
             "experts_per_gpu": E // world, "tokens_per_gpu": L, "global_tokens": L * world, "exchange": exchange,
+            "exchange_mode": mode,
+            "rows_sent_per_token": sum(e[4] for e in every) / (L * world) if exchange else None,
             "dtype": str(dtype)[6:], "checkpoint": args.checkpoint if impl == "blazecore" else None,
             "step_ms": slowest, "step_ms_by_rank": [e[0] for e in every],
             "spread_ms_by_rank": [e[1] for e in every],
@@ -181,7 +193,8 @@ def worker(args) -> int:
                         * p.shape[-1] ** -0.5)
         x = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype)
         dy = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype)
-        modes = [False, True] if world == 1 else [True]
+        exchanges = [v for v in args.exchanges.split(",") if v]
+        modes = ([None] if world == 1 else []) + exchanges
         rows = []
         for impl in [v for v in args.impls.split(",") if v]:
             if impl == "grouped_mm":
@@ -222,7 +235,8 @@ def _print(rows) -> None:
 
     common.print_table(rows, [("impl", "impl", None), ("gpus", "gpus", "d"),
                               ("tokens/gpu", lambda r: common.format_count(r["tokens_per_gpu"]), None),
-                              ("exchange", lambda r: "yes" if r["exchange"] else "no", None),
+                              ("exchange", lambda r: r.get("exchange_mode") or "no", None),
+                              ("rows/token", "rows_sent_per_token", ".2f"),
                               ("step ms", "step_ms", ".2f"), ("tokens/s", "tokens_per_s", ",.0f"),
                               ("tokens/s/gpu", "tokens_per_s_per_gpu", ",.0f"), ("peak GiB/gpu", peak, ".2f"),
                               ("NCCL share", "nccl_share", ".3f")])
@@ -284,6 +298,9 @@ def main(argv=None) -> int:
     bad = [v for v in args.impls.split(",") if v and v not in IMPLS]
     if bad or not any(args.impls.split(",")):
         ap.error(f"--impls: expected some of {', '.join(IMPLS)}, got {args.impls!r}")
+    bad = [v for v in args.exchanges.split(",") if v and v not in EXCHANGES]
+    if bad or not any(args.exchanges.split(",")):
+        ap.error(f"--exchanges: expected some of {', '.join(EXCHANGES)}, got {args.exchanges!r}")
     if args.profile_steps < 0:
         ap.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if "LOCAL_RANK" in os.environ or args.out:

@@ -227,27 +227,40 @@ def scale_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _exchange_mode(r: dict) -> str:
+    """An ep row's exchange: "no", "tokens" or "pairs" (rows written before the layer had two exchanges sent pairs)."""
+    if not r["exchange"]:
+        return "no"
+    return r.get("exchange_mode") or "pairs"
+
+
 def ep_table(doc: dict) -> str:
     """bench_ep: weak scaling of the expert-parallel layer, the local experts on moe_ffn and on the grouped_mm MoE."""
     h, rows = doc["header"], doc["rows"]
     shapes = ", ".join(dict.fromkeys(f"{r['shape']} (d={r['d']}, h={r['h']}, E={r['E']}, K={r['K']})" for r in rows))
     out = [f"Expert-parallel layer (`ExpertParallelMoELayer`: router, all-to-all of rows and gates, local experts, "
            f"return, combine), forward+backward, bf16, {shapes}, tokens per GPU fixed ({_header_line(h)}); one "
-           "torchrun per GPU count; \"exchange\": the all-to-all path (with one GPU: against the group of one); "
-           "NCCL share: the largest rank's share of the step in NCCL's kernels (PyTorch profiler); per-GPU rate "
-           "against the same implementation's one-GPU run without exchange:", "",
-           "| local experts | GPUs | tokens/GPU | exchange | step ms | tokens/s | tokens/s/GPU | vs 1 GPU | "
-           "peak GiB/GPU | NCCL share |",
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "torchrun per GPU count; exchange: \"no\" (one GPU, no all-to-all), \"tokens\" (each token sent once to "
+           "every rank that holds one of its experts) or \"pairs\" (one row per (token, expert) pair), with one GPU "
+           "against the group of one; rows/token: the rows a token sent; NCCL share: the largest rank's share of the "
+           "step in NCCL's kernels (PyTorch profiler); per-GPU rate against the same implementation's one-GPU run "
+           "without exchange:", "",
+           "| local experts | GPUs | tokens/GPU | exchange | rows/token | step ms | tokens/s | tokens/s/GPU | "
+           "vs 1 GPU | peak GiB/GPU | NCCL share |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     f = _opt
     base = {r.get("impl", "blazecore"): r["tokens_per_s_per_gpu"] for r in rows if r["gpus"] == 1 and not r["exchange"]}
     for r in rows:
         impl = r.get("impl", "blazecore")
         pk = r.get("peak_bytes_per_gpu")
         rel = r["tokens_per_s_per_gpu"] / base[impl] if impl in base else None
-        out.append(f"| {impl} | {r['gpus']} | {_count(r['tokens_per_gpu'])} | {'yes' if r['exchange'] else 'no'} | "
-                   f"{r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
-                   f"{f(rel, '.2f')} | {f(pk and pk / 2**30, '.2f')} | {f(r.get('nccl_share'), '.2f')} |")
+        per_token = r.get("rows_sent_per_token")
+        if per_token is None and _exchange_mode(r) == "pairs":
+            per_token = float(r["K"])
+        out.append(f"| {impl} | {r['gpus']} | {_count(r['tokens_per_gpu'])} | {_exchange_mode(r)} | "
+                   f"{f(per_token, '.2f')} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+                   f"{r['tokens_per_s_per_gpu']:,.0f} | {f(rel, '.2f')} | {f(pk and pk / 2**30, '.2f')} | "
+                   f"{f(r.get('nccl_share'), '.2f')} |")
     return "\n".join(out)
 
 

@@ -267,8 +267,8 @@ def test_torchtitan_expert_parallel_with_blazecore_experts():
 
 def test_bench_ep_cpu_smoke(tmp_path):
     """bench/bench_ep.py's driver and torchrun worker on the CPU (gloo, 2 processes, tiny shape): it runs and its
-    JSON has the weak-scaling row of blazecore's local experts, and of the grouped_mm MoE's where this torch's
-    torch._grouped_mm runs on the CPU (the same tokens and exchange; no NCCL figures on the CPU)."""
+    JSON has the weak-scaling rows (both exchanges) of blazecore's local experts, and of the grouped_mm MoE's where
+    this torch's torch._grouped_mm runs on the CPU (the same tokens and exchange; no NCCL figures on the CPU)."""
     import json
 
     from blazecore_app import baselines
@@ -279,17 +279,21 @@ def test_bench_ep_cpu_smoke(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "ep_cpu.json").read_text())
-    by_impl = {r["impl"]: r for r in doc["rows"]}
+    by_run = {(r["impl"], r["exchange_mode"]): r for r in doc["rows"]}
     probe = torch.zeros(1, 64)
     gmm_runs = baselines.grouped_mm_unsupported(probe, torch.zeros(1, 64, 64), torch.zeros(1, 64, 32)) is None
-    assert sorted(by_impl) == (["blazecore", "grouped_mm"] if gmm_runs else ["blazecore"]), by_impl
-    assert len(doc["rows"]) == len(by_impl)
-    for row in by_impl.values():
+    impls = ["blazecore", "grouped_mm"] if gmm_runs else ["blazecore"]
+    assert sorted(by_run) == sorted((i, x) for i in impls for x in ("pairs", "tokens")), by_run
+    assert len(doc["rows"]) == len(by_run)
+    for (_, mode), row in by_run.items():
         assert row["gpus"] == 2 and row["global_tokens"] == 64 and row["exchange"] and row["tokens_per_s"] > 0
         assert row["nccl_ms_by_rank"] is None and row["nccl_share"] is None
+        # tiny: K = 2 of E = 8 over 2 ranks; "tokens" sends 1 or 2 rows a token, "pairs" always 2
+        assert (1.0 <= row["rows_sent_per_token"] < 2.0) if mode == "tokens" else row["rows_sent_per_token"] == 2.0
 
 
-@pytest.mark.parametrize("argv", [["--impls", "cutlass"], ["--impls", ","], ["--profile-steps", "-1"]])
+@pytest.mark.parametrize("argv", [["--impls", "cutlass"], ["--impls", ","], ["--profile-steps", "-1"],
+                                  ["--exchanges", "rows"], ["--exchanges", ","]])
 def test_bench_ep_refuses_bad_options(argv, capsys):
     """A bad --impls or --profile-steps is a usage error before any process starts."""
     from bench import bench_ep
@@ -352,9 +356,10 @@ def test_report_tables_of_the_ep_results():
         for ln, r in zip(lines, doc["rows"], strict=True):
             cells = [c.strip() for c in ln.strip("|").split("|")]
             assert cells[0] == r.get("impl", "blazecore") and int(cells[1]) == r["gpus"]
-            assert cells[5] == f"{r['tokens_per_s']:,.0f}"
+            assert cells[3] == (r.get("exchange_mode") or "pairs" if r["exchange"] else "no")
+            assert cells[6] == f"{r['tokens_per_s']:,.0f}"
             if r["gpus"] == 1 and not r["exchange"]:
-                assert cells[7] == "1.00"
+                assert cells[8] == "1.00" and cells[4] == ""
     folders = [p for p in report.RESULTS.glob("train_ep_*") if p.is_dir()]
     for folder in folders:
         logs = sorted(folder.glob("*.json"))
