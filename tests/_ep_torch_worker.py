@@ -354,8 +354,9 @@ def suite_titan(rank, world):
 
 
 def suite_gpu(rank, world):
-    """NCCL, one GPU per rank, bf16 kernels: the EP layer against the full MoELayer on every rank's tokens (run on
-    each rank's own GPU), output and every gradient within bf16 tolerance."""
+    """NCCL, one GPU per rank, bf16 kernels: the EP layer (both exchanges) against the full MoELayer on every rank's
+    tokens (run on each rank's own GPU), output and every gradient within bf16 tolerance, and the same bits when run
+    again."""
     device = torch.device("cuda", rank)
     d, h, E, K = 256, 128, 8 * world, 4
     torch.manual_seed(7)
@@ -372,18 +373,26 @@ def suite_gpu(rank, world):
     rows, sl = slice(lo, lo + counts[rank]), slice(ep.local_expert_range.start, ep.local_expert_range.stop)
     tol = 2e-2
     sent = {}
-    for exchange in EXCHANGES:
-        ep.exchange = exchange
+
+    def run():
         ep.zero_grad(set_to_none=True)
         x = xs[rank].clone().requires_grad_(True)
         y, _ = ep(x)
         (y.float() * dys[rank].float()).sum().backward()
+        return {"y": y, "dx": x.grad, "d gate_up_proj": ep.experts.gate_up_proj.grad,
+                "d down_proj": ep.experts.down_proj.grad, "d router": ep.router.weight.grad}
+
+    for exchange in EXCHANGES:
+        ep.exchange = exchange
+        got, again = run(), run()
+        for name, a in got.items():  # deterministic: the same bits run to run
+            assert torch.equal(a, again[name]), f"gpu {exchange}: {name} differs between two identical runs"
         sent[exchange] = ep.last_rows_sent
-        _close(f"gpu {exchange}: y", y, y_all[rows], tol)
-        _close(f"gpu {exchange}: dx", x.grad, x_all.grad[rows], tol)
-        _close(f"gpu {exchange}: d gate_up_proj", ep.experts.gate_up_proj.grad, full.gate_up_proj.grad[sl], tol)
-        _close(f"gpu {exchange}: d down_proj", ep.experts.down_proj.grad, full.down_proj.grad[sl], tol)
-        drouter = ep.router.weight.grad.float()
+        _close(f"gpu {exchange}: y", got["y"], y_all[rows], tol)
+        _close(f"gpu {exchange}: dx", got["dx"], x_all.grad[rows], tol)
+        _close(f"gpu {exchange}: d gate_up_proj", got["d gate_up_proj"], full.gate_up_proj.grad[sl], tol)
+        _close(f"gpu {exchange}: d down_proj", got["d down_proj"], full.down_proj.grad[sl], tol)
+        drouter = got["d router"].float()
         dist.all_reduce(drouter)
         _close(f"gpu {exchange}: d router", drouter, full.router.weight.grad, tol)
     assert sent["pairs"] == counts[rank] * K and counts[rank] <= sent["tokens"] < sent["pairs"], sent

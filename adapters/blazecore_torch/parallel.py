@@ -150,49 +150,53 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out
 
 
-def _sum_rows(rows: torch.Tensor, index: torch.Tensor, padded: bool) -> torch.Tensor:
-    """y[i] = sum_j rows[index[i, j]], summed in j order (deterministic; each row read once). Column 0 always
-    names a row; with ``padded`` the later columns may hold -1 (nothing to add). 16-bit rows are summed in float32
-    and rounded once, as the single-GPU combine does."""
-    n, K = index.shape
-    y = rows.index_select(0, index[:, 0])
-    if K == 1:
-        return y
-    wide = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
-    for j in range(1, K):
-        col = index[:, j]
-        if padded:
-            part = rows.index_select(0, col.clamp(min=0))
-            wide.add_(part.masked_fill_((col < 0).unsqueeze(1), 0))
-        else:
-            wide.add_(rows.index_select(0, col))
-    return wide.to(rows.dtype)
+def _bags(index: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries >= 0 of ``index`` (n, J) row after row, and each row's start in that list: the (flat (total,),
+    offsets (n,)) form of a row sum, ``total`` the count of entries >= 0 (known on the host; no device read). The
+    entries keep their order within a row; scatters to distinct targets (the -1 entries to one spare, dropped)."""
+    n, J = index.shape
+    if total == n * J:  # nothing padded
+        return index.reshape(-1), torch.arange(n, device=index.device, dtype=torch.int64) * J
+    valid = index >= 0
+    count = valid.sum(1)
+    offsets = torch.cumsum(count, 0) - count
+    pos = torch.where(valid, offsets.unsqueeze(1) + valid.cumsum(1) - 1, total)
+    flat = index.new_empty(total + 1).scatter_(0, pos.reshape(-1), index.reshape(-1))
+    return flat[:total], offsets
+
+
+def _sum_rows(rows: torch.Tensor, bags: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """y[i] = the sum of rows[flat[offsets[i]:offsets[i + 1]]] (``bags`` = (flat, offsets), see ``_bags``), in
+    list order, in one pass: ``embedding_bag``'s forward sums each bag's rows in order, one thread a column, in
+    float32 for 16-bit rows, rounded once (deterministic; no atomics)."""
+    flat, offsets = bags
+    if offsets.numel() == 0:
+        return rows.new_empty((0, rows.shape[1]))
+    return torch.nn.functional.embedding_bag(flat, rows, offsets, mode="sum")
 
 
 class _Gather(torch.autograd.Function):
-    """rows[i] = x[index[i]]. ``inverse`` (x's rows, J) lists, for every row of x, the i that read it (column 0
-    always, the later columns -1 where ``padded``); the backward is dx[t] = sum_j drows[inverse[t, j]]."""
+    """rows[i] = x[index[i]]. ``inverse`` = (flat, offsets) lists, row of x after row of x, the i that read it;
+    the backward is dx[t] = the sum of drows over x's row t's list."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse, padded: bool):
-        ctx.save_for_backward(inverse)
-        ctx.padded = padded
+    def forward(ctx, x, index, flat, offsets):
+        ctx.save_for_backward(flat, offsets)
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, drows):
-        (inverse,) = ctx.saved_tensors
-        return _sum_rows(drows.contiguous(), inverse, ctx.padded), None, None, None
+        return _sum_rows(drows.contiguous(), ctx.saved_tensors), None, None, None
 
 
 class _SumRows(torch.autograd.Function):
-    """y[t] = sum_j rows[index[t, j]] (see ``_sum_rows``); ``inverse`` (rows,) names each row's t. Backward: the
-    gather drows = dy[inverse]."""
+    """y[t] = the sum of rows over t's list in ``(flat, offsets)`` (see ``_sum_rows``); ``inverse`` (rows,) names
+    each row's t. Backward: the gather drows = dy[inverse]."""
 
     @staticmethod
-    def forward(ctx, rows, index, inverse, padded: bool):
+    def forward(ctx, rows, flat, offsets, inverse):
         ctx.save_for_backward(inverse)
-        return _sum_rows(rows, index, padded)
+        return _sum_rows(rows, (flat, offsets))
 
     @staticmethod
     def backward(ctx, dy):
@@ -430,7 +434,8 @@ class ExpertParallelMoELayer(nn.Module):
         self.last_rows_sent = sum(send_splits)
         # 2. pack: the send buffer gathered straight from x; gates in slot order alongside
         slot_token, slot_k, pair_slot = dispatch.slot_token, dispatch.slot_k, dispatch.pair_slot
-        send = _Gather.apply(tokens, slot_token, pair_slot, False)
+        bags = _bags(pair_slot.to(torch.int64), pair_slot.numel())  # token t's K slots in k order
+        send = _Gather.apply(tokens, slot_token, *bags)
         pair = slot_token.to(torch.int64) * K + slot_k
         send_gates = gates.reshape(-1).index_select(0, pair)
         # 3. token exchange; 4. local experts
@@ -439,7 +444,7 @@ class ExpertParallelMoELayer(nn.Module):
         out = self._local_run(recv, recv_gates, recv_counts.view(ep, El), sum(recv_splits))
         # 5. results back, in slot order; 6. combine over k
         back = _AllToAll.apply(out, send_splits, recv_splits, self.group)
-        return _SumRows.apply(back, pair_slot, slot_token, False)
+        return _SumRows.apply(back, *bags, slot_token)
 
     def _exchange_tokens(self, tokens, gates, ids, dispatch) -> torch.Tensor:
         """Each token once to every rank that holds one of its experts; that rank sums the token's local experts
@@ -493,7 +498,8 @@ class ExpertParallelMoELayer(nn.Module):
                          row_pos.t().reshape(-1))
         combine = combine[:L * ep].view(L, ep)[:, :R]
         # 3. exchange: the rows, each pair's gate and row, each row's pairs
-        send = _Gather.apply(tokens, row_token, combine, True)
+        token_rows = _bags(combine, n_rows)
+        send = _Gather.apply(tokens, row_token, *token_rows)
         send_gates = gates.reshape(-1).index_select(0, slot_pair)
         recv = _AllToAll.apply(send, recv_rows, send_rows, self.group)
         recv_gates = _AllToAll.apply(send_gates, recv_pairs, send_pairs, self.group)
@@ -505,12 +511,13 @@ class ExpertParallelMoELayer(nn.Module):
         in_row = in_row + torch.repeat_interleave(_exclusive_cumsum(src_rows), src_pairs, output_size=n_pairs_in)
         offset = torch.repeat_interleave(_exclusive_cumsum(src_pairs), src_rows, output_size=n_rows_in)
         in_pairs = torch.where(in_pairs >= 0, in_pairs + offset.unsqueeze(1), -1)
-        rows = _Gather.apply(recv, in_row, in_pairs, True)
+        row_pairs = _bags(in_pairs, n_pairs_in)
+        rows = _Gather.apply(recv, in_row, *row_pairs)
         out = self._local_run(rows, recv_gates, recv_meta[:, :El], n_pairs_in)
-        summed = _SumRows.apply(out, in_pairs, in_row, True)
+        summed = _SumRows.apply(out, *row_pairs, in_row)
         # 5. the sums back, in send order; 6. each token's rows summed
         back = _AllToAll.apply(summed, send_rows, recv_rows, self.group)
-        return _SumRows.apply(back, combine, row_token, True)
+        return _SumRows.apply(back, *token_rows, row_token)
 
 
 # ---------------------------------------------------------------------------------------------
