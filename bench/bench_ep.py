@@ -2,10 +2,11 @@
 
 Every GPU holds the same number of tokens (--tokens-per-gpu) and E / N experts; one step is the layer's forward
 and backward (router, count exchange, all-to-all of rows and gates, local experts on blazecore's kernels,
-return, combine), bf16. Each world size reports the median step time (CUDA events, the slowest rank's median),
-the global tokens/s (N * tokens per GPU / step time), the per-GPU rate, and every rank's peak allocated bytes
-(torch's allocator counts blazecore's buffers). With one GPU there is no exchange; a second row runs the
-all-to-all path against the group of one (``always_exchange``) to show what the exchange machinery costs.
+return, combine; the input's gradient included), bf16. Each world size reports the median step time (CUDA
+events, the slowest rank's median), the global tokens/s (N * tokens per GPU / step time), the per-GPU rate,
+and every rank's peak allocated bytes (torch's allocator counts blazecore's buffers). With one GPU there is no
+exchange; more rows run the all-to-all path against the group of one (``always_exchange``) to show what the
+exchange machinery costs.
 ``--exchanges`` (default ``tokens,pairs``): a row per exchange of the layer, each token sent once to every rank that
 holds one of its experts, or one row per (token, expert) pair; each row records the rows sent a token.
 
@@ -86,6 +87,7 @@ def _measure(layer, x, dy, args, torch, dist, cuda: bool) -> dict:
 
     def step():
         layer.zero_grad(set_to_none=True)
+        x.grad = None
         y, _ = layer(x)
         y.backward(dy)
 
@@ -191,7 +193,8 @@ def worker(args) -> int:
             for p in layer.experts.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32).to(dtype)
                         * p.shape[-1] ** -0.5)
-        x = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype)
+        # x requires its gradient, as a layer's input in a model does (the exchange's backward runs in full)
+        x = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype).requires_grad_(True)
         dy = torch.randn(L, d, generator=g, device=device, dtype=torch.float32).to(dtype)
         exchanges = [v for v in args.exchanges.split(",") if v]
         modes = ([None] if world == 1 else []) + exchanges

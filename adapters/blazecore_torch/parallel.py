@@ -448,76 +448,81 @@ class ExpertParallelMoELayer(nn.Module):
 
     def _exchange_tokens(self, tokens, gates, ids, dispatch) -> torch.Tensor:
         """Each token once to every rank that holds one of its experts; that rank sums the token's local experts
-        before the row comes back (see the module's docstring)."""
-        ep, El, K = self.ep_size, self.num_local_experts, self.top_k
+        before the row comes back (see the module's docstring). Every index is built before the host reads the
+        splits, into buffers of the largest size (ep * L rows), so that the GPU has them queued when the host
+        waits, and only the exchange and the experts follow the read."""
+        ep, El, K, me = self.ep_size, self.num_local_experts, self.top_k, self.ep_rank
         dev, L = tokens.device, tokens.shape[0]
         i64 = torch.int64
         dest = ids.to(i64) // El  # (L, K) the rank of each pair's expert
         hot = dest.unsqueeze(2) == torch.arange(ep, device=dev)  # (L, K, ep)
-        sent = hot.any(1)  # (L, ep): token t has a row for rank r
-        pair_counts = dispatch.counts().to(i64).view(ep, El)
-        # 1. count exchange, per destination: the pairs of each of its experts, and the rows
-        send_meta = torch.cat([pair_counts, sent.sum(0, dtype=i64).view(ep, 1)], 1)
-        recv_meta = torch.empty_like(send_meta)
-        dist.all_to_all_single(recv_meta, send_meta, group=self.group)
-        # the one host synchronisation: the four split lists in a single device-to-host transfer
-        host = torch.cat([send_meta[:, :El].sum(1), send_meta[:, El], recv_meta[:, :El].sum(1),
-                          recv_meta[:, El]]).tolist()
-        send_pairs, send_rows = host[:ep], host[ep:2 * ep]
-        recv_pairs, recv_rows = host[2 * ep:3 * ep], host[3 * ep:]
-        n_rows, n_pairs_in, n_rows_in = sum(send_rows), sum(recv_pairs), sum(recv_rows)
-        self.last_rows_sent = n_rows
-        # 2. the rows in send order (rank-major, tokens ascending): row_flat = r * L + t, and row_pos[r, t] the
-        #    row of (t, r) where sent. Scatters with distinct targets (the unsent go to one spare entry, dropped).
+        npairs = hot.sum(1)  # (L, ep): token t's pairs on rank r
+        sent = npairs > 0  # token t has a row for rank r
+        # 1. counts, every rank's to every rank: [s, r] = the pairs of each of r's experts from s, and the rows
+        mine = torch.cat([dispatch.counts().to(i64).view(ep, El), sent.sum(0, dtype=i64).view(ep, 1)], 1)
+        every = [torch.empty_like(mine) for _ in range(ep)]
+        dist.all_gather(every, mine, group=self.group)
+        meta = torch.stack(every)  # (ep source, ep destination, El + 1)
+        rows_to, pairs_to = meta[:, :, El], meta[:, :, :El].sum(2)  # (source, destination)
+        # where this rank's rows and pairs start in each destination's receive buffers
+        row_base = (torch.cumsum(rows_to, 0) - rows_to)[me]
+        pair_base = (torch.cumsum(pairs_to, 0) - pairs_to)[me]
+        row_start, pair_start = _exclusive_cumsum(rows_to[me]), _exclusive_cumsum(pairs_to[me])
+        # 2. this rank's rows in send order (rank-major, tokens ascending): row_pos[r, t] the row of (t, r) where
+        #    sent; row_src[row] = r * L + t. Scatters with distinct targets (the unsent to one spare entry); the
+        #    buffers hold ep * L rows and are cut to the row count after the host read.
+        cap = ep * L
         flat = sent.t().reshape(-1)
         row_pos = torch.cumsum(flat, 0) - 1
-        row_flat = torch.empty(n_rows + 1, dtype=i64, device=dev)
-        row_flat.scatter_(0, torch.where(flat, row_pos, n_rows), torch.arange(ep * L, device=dev))
-        row_flat = row_flat[:n_rows]
-        row_token = row_flat.remainder(max(L, 1))
+        row_src = torch.zeros(cap + 1, dtype=i64, device=dev)
+        row_src.scatter_(0, torch.where(flat, row_pos, cap), torch.arange(cap, device=dev))
+        row_src = row_src[:cap]
+        row_token = row_src.remainder(max(L, 1))
         row_pos = row_pos.view(ep, L)
-        row_start = _exclusive_cumsum(send_meta[:, El])
-        pair_start = _exclusive_cumsum(send_meta[:, :El].sum(1))
         t_of = torch.arange(L, device=dev).unsqueeze(1).expand(L, K)
-        # each pair's row on its destination (relative to the rows this rank sends there), in slot order
-        pair_row = (row_pos[dest, t_of] - row_start[dest]).reshape(-1)
+        # each pair's row in its destination's receive buffer, in slot order (the pairs' send order)
+        pair_row = (row_pos[dest, t_of] - row_start[dest] + row_base[dest]).reshape(-1)
         slot_pair = dispatch.slot_token.to(i64) * K + dispatch.slot_k
         slot_row = pair_row.index_select(0, slot_pair)
-        # each row's pairs (their slots relative to the pairs this rank sends there), in k order, -1 padded
-        J = min(K, El)
-        within = hot.to(i64).cumsum(1).gather(2, dest.unsqueeze(2)).squeeze(2) - 1  # (L, K) < J
-        rel_slot = dispatch.pair_slot.to(i64) - pair_start[dest]
-        table = torch.full((ep * L * J,), -1, dtype=i64, device=dev)
-        table.scatter_(0, ((dest * L + t_of) * J + within).reshape(-1), rel_slot.reshape(-1))
-        row_pairs = table.view(ep * L, J).index_select(0, row_flat)
-        # the combine's index: each token's rows in rank order, -1 padded (column 0: every token has a row)
-        R = min(K, ep)
-        nth = sent.to(i64).cumsum(1) - 1
-        combine = torch.full((L * ep + 1,), -1, dtype=i64, device=dev)
-        combine.scatter_(0, torch.where(sent, torch.arange(L, device=dev).unsqueeze(1) * ep + nth, L * ep).reshape(-1),
-                         row_pos.t().reshape(-1))
-        combine = combine[:L * ep].view(L, ep)[:, :R]
-        # 3. exchange: the rows, each pair's gate and row, each row's pairs
-        token_rows = _bags(combine, n_rows)
-        send = _Gather.apply(tokens, row_token, *token_rows)
+        # the destinations' row sums, as (flat, offsets) lists: row (t, r) lists its pairs in k order, each named
+        # by its place in r's receive buffer; row (t, r)'s list starts after the lists of r's rows before it
+        lists = npairs.t()  # (ep, L)
+        list_start = torch.cumsum(lists, 1) - lists + pair_base.unsqueeze(1)  # (ep, L), r's flat numbering
+        row_list = list_start.reshape(-1).index_select(0, row_src)  # per row in send order
+        earlier = torch.ones(K, K, dtype=torch.bool, device=dev).tril(-1)  # [k, k'] = k' < k
+        within = ((dest.unsqueeze(2) == dest.unsqueeze(1)) & earlier).sum(2)  # (L, K) same-rank pairs before k
+        at = list_start[dest, t_of] - pair_base[dest] + pair_start[dest] + within  # place in this rank's send order
+        named = dispatch.pair_slot.to(i64) - pair_start[dest] + pair_base[dest]  # the pair's place at r
+        list_flat = torch.empty(L * K, dtype=i64, device=dev).scatter_(0, at.reshape(-1), named.reshape(-1))
+        pair_meta = torch.stack([slot_row, list_flat], 1)  # (L * K, 2), both in the pairs' send order
+        # this rank's combine, as (flat, offsets): token t's rows in rank order
+        per_token = sent.sum(1)
+        token_start = torch.cumsum(per_token, 0) - per_token
+        nth = sent.t().cumsum(0).t() - 1  # (L, ep) t's rows before rank r
+        spot = torch.where(sent, token_start.unsqueeze(1) + nth, cap)
+        token_flat = torch.zeros(cap + 1, dtype=i64, device=dev).scatter_(0, spot.reshape(-1), row_pos.t().reshape(-1))
         send_gates = gates.reshape(-1).index_select(0, slot_pair)
+        # the one host synchronisation: the four split lists in a single device-to-host transfer
+        host = torch.cat([pairs_to[me], rows_to[me], pairs_to[:, me], rows_to[:, me]]).tolist()
+        send_pairs, send_rows = host[:ep], host[ep:2 * ep]
+        recv_pairs, recv_rows = host[2 * ep:3 * ep], host[3 * ep:]
+        n_rows, n_pairs_in = sum(send_rows), sum(recv_pairs)
+        self.last_rows_sent = n_rows
+        row_token, row_list, token_flat = row_token[:n_rows], row_list[:n_rows], token_flat[:n_rows]
+        # 3. exchange: the rows and their lists' starts; each pair's gate, row and place in the lists
+        send = _Gather.apply(tokens, row_token, token_flat, token_start)
         recv = _AllToAll.apply(send, recv_rows, send_rows, self.group)
         recv_gates = _AllToAll.apply(send_gates, recv_pairs, send_pairs, self.group)
-        in_row = _all_to_all(slot_row, recv_pairs, send_pairs, self.group)
-        in_pairs = _all_to_all(row_pairs, recv_rows, send_rows, self.group)
+        in_meta = _all_to_all(pair_meta, recv_pairs, send_pairs, self.group)
+        in_lists = _all_to_all(row_list, recv_rows, send_rows, self.group)
+        in_row, in_flat = in_meta[:, 0], in_meta[:, 1]
         # 4. on this rank: one row per pair (a local gather), the local experts, each row's pairs summed
-        src_rows = recv_meta[:, El]
-        src_pairs = recv_meta[:, :El].sum(1)
-        in_row = in_row + torch.repeat_interleave(_exclusive_cumsum(src_rows), src_pairs, output_size=n_pairs_in)
-        offset = torch.repeat_interleave(_exclusive_cumsum(src_pairs), src_rows, output_size=n_rows_in)
-        in_pairs = torch.where(in_pairs >= 0, in_pairs + offset.unsqueeze(1), -1)
-        row_pairs = _bags(in_pairs, n_pairs_in)
-        rows = _Gather.apply(recv, in_row, *row_pairs)
-        out = self._local_run(rows, recv_gates, recv_meta[:, :El], n_pairs_in)
-        summed = _SumRows.apply(out, *row_pairs, in_row)
-        # 5. the sums back, in send order; 6. each token's rows summed
+        rows = _Gather.apply(recv, in_row, in_flat, in_lists)
+        out = self._local_run(rows, recv_gates, meta[:, me, :El], n_pairs_in)
+        summed = _SumRows.apply(out, in_flat, in_lists, in_row)
+        # 5. the sums back, in send order; 6. each token's rows summed in rank order
         back = _AllToAll.apply(summed, send_rows, recv_rows, self.group)
-        return _SumRows.apply(back, *token_rows, row_token)
+        return _SumRows.apply(back, token_flat, token_start, row_token)
 
 
 # ---------------------------------------------------------------------------------------------
