@@ -33,6 +33,7 @@ from .moe import (
     moe_backward,
     moe_flops,
     moe_forward,
+    sum_rows,
 )
 from .router import (
     load_balancing_loss,
@@ -78,5 +79,6 @@ __all__ = [
     "route_topk_backward",
     "router_z_loss",
     "router_z_loss_backward",
+    "sum_rows",
     "set_allocator",
 ]

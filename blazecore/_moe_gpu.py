@@ -672,6 +672,16 @@ def _combine(kern, rows, disp, K, out, d, stream, acc=None, mode=0):
                                              _NULL if acc is None else acc, np.int32(mode)), stream=stream)
 
 
+def sum_rows(rows, index, out, stream):
+    """out[i] = sum_j rows[index[i, j]] over the entries >= 0 (blazecore.sum_rows; moe_combine, one block a row):
+    rows (n, w) C-contiguous, index (m, J) int32, out (m, w) C-contiguous, m > 0."""
+    ct = _CTYPES[np.dtype(_array.logical_dtype(rows))]
+    fn = _compile.get_function(_FILE_HELPERS, f"blz::moe_combine<{ct}>", module_names=_helper_names(ct))
+    with _array.device_scope(rows.device.id):
+        fn((out.shape[0],), (128,), (rows, index, np.int32(index.shape[1]), np.int32(rows.shape[1]), out,
+                                     np.int64(rows.shape[1]), _NULL, np.int32(0)), stream=stream)
+
+
 def _tile_offsets(kern, disp, E, stream):
     t = _array.empty_gpu((E + 1,), np.int32).view
     kern.fn("blz::moe_tile_offsets")((1,), (1024,), (disp.expert_offsets, np.int32(E), np.int32(BM), t), stream=stream)

@@ -468,4 +468,62 @@ __all__ = [
     "moe_backward",
     "moe_flops",
     "moe_forward",
+    "sum_rows",
 ]
+
+
+_SUM_ROWS_DTYPES = _FLOAT_TYPES
+
+
+def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
+    """Row sums by index: out[i] = sum_j rows[index[i, j]] over the entries index[i, j] >= 0, in j order,
+    accumulated in float32 (float64 rows on the CPU: float64) and rounded once to the rows' dtype; an output row
+    whose entries are all negative is 0. Deterministic: the GPU sums each output row in one thread block, in j
+    order, with no atomics (the layer's combine kernel, which skips the negative entries). The expert-parallel
+    layers sum their exchanged rows with it.
+
+    Args:
+        rows: (n, w) float32, float16 or bfloat16 (float64 on the CPU), C-contiguous; on the GPU w * itemsize a
+            multiple of 16 and the data on a 16-byte boundary.
+        index: (m, J) int32, C-contiguous: row numbers in [0, n), or -1 (or any negative) for nothing.
+        out: optional (m, w) buffer in the rows' dtype (the same alignment on the GPU).
+        stream: as in :func:`moe_forward`.
+        validate: check that every entry is below n (on the GPU a reduction and one host read, which
+            synchronises the stream; pass False where the index is known to be in range).
+
+    Returns:
+        (m, w) in the rows' dtype, on the rows' device.
+    """
+    r = _array.asarray(rows, "rows")
+    ix = _array.asarray(index, "index")
+    _validate.check_ndim(r, "rows", 2, "rows (n, w)")
+    _validate.check_ndim(ix, "index", 2, "row numbers (m, J)")
+    gpu = _validate.same_device({"rows": r, "index": ix})
+    dt = _validate.check_dtype(r, "rows", _SUM_ROWS_DTYPES if gpu else (*_SUM_ROWS_DTYPES, np.float64))
+    if np.dtype(ix.dtype) != np.int32:
+        raise TypeError(f"index: expected int32, got {_array.dtype_name(_array.logical_dtype(ix))}")
+    _validate.check_contiguous(r, "rows")
+    _validate.check_contiguous(ix, "index")
+    (n, w), m = r.shape, ix.shape[0]
+    _validate.check_int32_range(m, "index rows")
+    if gpu and (w * dt.itemsize) % 16:
+        raise ValueError(f"rows: the GPU kernel reads 16 bytes at a time: w * itemsize = {w * dt.itemsize} must be a "
+                         "multiple of 16")
+    if stream is not None and not gpu:
+        raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
+    with _array.stream_scope(stream, gpu):
+        if validate and ix.size:
+            hi = int(ix.max())
+            if hi >= n:
+                raise ValueError(f"index: entry {hi} is out of range for {n} rows")
+        res = _array.out_or_empty(out, (m, w), dt, gpu, "out")
+        if gpu:
+            _moe_gpu.check_aligned({"rows": r, "out": res.view})
+            _check_gpu_device({"out": res.view}, r.device.id)
+            if m:
+                _moe_gpu.sum_rows(r, ix, res.view, _array.current_stream(stream))
+        else:
+            from .reference import moe as ref
+
+            res.view[...] = ref.sum_rows_ref(r, ix)
+        return _array.like_caller(res.user, rows)

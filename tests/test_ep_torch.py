@@ -53,34 +53,6 @@ def _launch(world: int, suite: str, timeout: float = 240) -> list[str]:
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_row_sums_with_padded_indices(dtype):
-    """The exchange's row sums: ``_bags`` drops the -1 entries of a padded index and keeps each row's order, and
-    ``_sum_rows`` equals a loop over the rows' entries; a full index and an empty one."""
-    from blazecore_torch.parallel import _bags, _sum_rows
-
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randn(40, 5, generator=g, dtype=dtype)
-    n, J = 9, 4
-    index = torch.randint(0, 40, (n, J), generator=g)
-    index[torch.rand(n, J, generator=g) < 0.4] = -1
-    index[:, 0] = torch.randint(0, 40, (n,), generator=g)  # every row names at least one
-    index[3] = torch.tensor([-1, 7, -1, 12])  # padding between entries too
-    total = int((index >= 0).sum())
-    flat, offsets = _bags(index, total)
-    want_flat = [int(v) for r in index for v in r if v >= 0]
-    assert flat.tolist() == want_flat
-    assert offsets.tolist() == [sum(int((index[i] >= 0).sum()) for i in range(r)) for r in range(n)]
-    got = _sum_rows(rows, (flat, offsets))
-    want = torch.stack([sum((rows[int(v)] for v in r if v >= 0), torch.zeros(5, dtype=dtype)) for r in index])
-    torch.testing.assert_close(got, want, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
-    full = torch.randint(0, 40, (n, J), generator=g)
-    flat, offsets = _bags(full, n * J)
-    torch.testing.assert_close(_sum_rows(rows, (flat, offsets)), rows[full].sum(1), rtol=1e-6, atol=1e-6)
-    empty = _bags(torch.empty(0, J, dtype=torch.int64), 0)
-    assert _sum_rows(rows, empty).shape == (0, 5)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_matches_single_process(world):
     outs = _launch(world, "layer")

@@ -366,6 +366,32 @@ _autograd(_z_loss_op, "router_z_loss", _z_backward, _z_setup)
 
 
 # ---------------------------------------------------------------------------------------------
+# Row sums (the expert-parallel exchange's combines)
+# ---------------------------------------------------------------------------------------------
+
+
+@_op("sum_rows", mutates_args=())
+def _sum_rows_op(rows: torch.Tensor, index: torch.Tensor, validate: bool) -> torch.Tensor:
+    rows, index = _detach(rows, index)
+    _check_same_device({"rows": rows, "index": index})
+    with _core_call(rows.device) as stream:
+        return _to_torch(blazecore.sum_rows(rows, index, stream=stream, validate=validate))
+
+
+@_sum_rows_op.register_fake
+def _(rows, index, validate):
+    return rows.new_empty((index.shape[0], rows.shape[1]))
+
+
+def sum_rows(rows: torch.Tensor, index: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """``blazecore.sum_rows`` on tensors: out[i] = sum_j rows[index[i, j]] over the entries >= 0, in j order,
+    accumulated in float32 and rounded once (deterministic). rows (n, w) float32 / float16 / bfloat16 (float64 on
+    the CPU), index (m, J) int32, both C-contiguous. Forward only: the result carries no gradient (the
+    expert-parallel layer pairs it with a gather in its own autograd Functions)."""
+    return _run("sum_rows", rows, index, validate)
+
+
+# ---------------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 

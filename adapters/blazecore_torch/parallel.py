@@ -150,58 +150,41 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out
 
 
-def _bags(index: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The entries >= 0 of ``index`` (n, J) row after row, and each row's start in that list: the (flat (total,),
-    offsets (n,)) form of a row sum, ``total`` the count of entries >= 0 (known on the host; no device read). The
-    entries keep their order within a row; scatters to distinct targets (the -1 entries to one spare, dropped)."""
-    n, J = index.shape
-    if total == n * J:  # nothing padded
-        return index.reshape(-1), torch.arange(n, device=index.device, dtype=torch.int64) * J
-    valid = index >= 0
-    count = valid.sum(1)
-    offsets = torch.cumsum(count, 0) - count
-    pos = torch.where(valid, offsets.unsqueeze(1) + valid.cumsum(1) - 1, total)
-    flat = index.new_empty(total + 1).scatter_(0, pos.reshape(-1), index.reshape(-1))
-    return flat[:total], offsets
-
-
-def _sum_rows(rows: torch.Tensor, bags: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """y[i] = the sum of rows[flat[offsets[i]:offsets[i + 1]]] (``bags`` = (flat, offsets), see ``_bags``), in
-    list order, in one pass: ``embedding_bag``'s forward sums each bag's rows in order, one thread a column, in
-    float32 for 16-bit rows, rounded once (deterministic; no atomics)."""
-    flat, offsets = bags
-    if offsets.numel() == 0:
-        return rows.new_empty((0, rows.shape[1]))
-    return torch.nn.functional.embedding_bag(flat, rows, offsets, mode="sum")
+def _sum_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """y[i] = sum_j rows[index[i, j]] over the entries >= 0 (index (n, J) int32, -1 padded), in j order, in one
+    pass (``ops.sum_rows``: the layer's deterministic combine kernel on CUDA; float32 sums of 16-bit rows, rounded
+    once). The indices are built in range by the layer: no validation read."""
+    return ops.sum_rows(rows.contiguous(), index, validate=False)
 
 
 class _Gather(torch.autograd.Function):
-    """rows[i] = x[index[i]]. ``inverse`` = (flat, offsets) lists, row of x after row of x, the i that read it;
-    the backward is dx[t] = the sum of drows over x's row t's list."""
+    """rows[i] = x[index[i]]. ``inverse`` (x's rows, J) int32 lists, for every row of x, the i that read it (-1
+    padded); the backward is dx[t] = sum_j drows[inverse[t, j]]."""
 
     @staticmethod
-    def forward(ctx, x, index, flat, offsets):
-        ctx.save_for_backward(flat, offsets)
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, drows):
-        return _sum_rows(drows.contiguous(), ctx.saved_tensors), None, None, None
+        (inverse,) = ctx.saved_tensors
+        return _sum_rows(drows, inverse), None, None
 
 
 class _SumRows(torch.autograd.Function):
-    """y[t] = the sum of rows over t's list in ``(flat, offsets)`` (see ``_sum_rows``); ``inverse`` (rows,) names
-    each row's t. Backward: the gather drows = dy[inverse]."""
+    """y[t] = sum_j rows[index[t, j]] (index (T, J) int32, -1 padded); ``inverse`` (rows,) names each row's t.
+    Backward: the gather drows = dy[inverse]."""
 
     @staticmethod
-    def forward(ctx, rows, flat, offsets, inverse):
+    def forward(ctx, rows, index, inverse):
         ctx.save_for_backward(inverse)
-        return _sum_rows(rows, (flat, offsets))
+        return _sum_rows(rows, index)
 
     @staticmethod
     def backward(ctx, dy):
         (inverse,) = ctx.saved_tensors
-        return dy.contiguous().index_select(0, inverse), None, None, None
+        return dy.contiguous().index_select(0, inverse), None, None
 
 
 def _exclusive_cumsum(a: torch.Tensor) -> torch.Tensor:
@@ -433,9 +416,9 @@ class ExpertParallelMoELayer(nn.Module):
         send_splits, recv_splits = host[:ep], host[ep:]
         self.last_rows_sent = sum(send_splits)
         # 2. pack: the send buffer gathered straight from x; gates in slot order alongside
-        slot_token, slot_k, pair_slot = dispatch.slot_token, dispatch.slot_k, dispatch.pair_slot
-        bags = _bags(pair_slot.to(torch.int64), pair_slot.numel())  # token t's K slots in k order
-        send = _Gather.apply(tokens, slot_token, *bags)
+        slot_token, slot_k = dispatch.slot_token, dispatch.slot_k
+        pair_slot = dispatch.pair_slot.to(torch.int32).contiguous()
+        send = _Gather.apply(tokens, slot_token, pair_slot)
         pair = slot_token.to(torch.int64) * K + slot_k
         send_gates = gates.reshape(-1).index_select(0, pair)
         # 3. token exchange; 4. local experts
@@ -444,7 +427,7 @@ class ExpertParallelMoELayer(nn.Module):
         out = self._local_run(recv, recv_gates, recv_counts.view(ep, El), sum(recv_splits))
         # 5. results back, in slot order; 6. combine over k
         back = _AllToAll.apply(out, send_splits, recv_splits, self.group)
-        return _SumRows.apply(back, *bags, slot_token)
+        return _SumRows.apply(back, pair_slot, slot_token)
 
     def _exchange_tokens(self, tokens, gates, ids, dispatch) -> torch.Tensor:
         """Each token once to every rank that holds one of its experts; that rank sums the token's local experts
@@ -455,9 +438,7 @@ class ExpertParallelMoELayer(nn.Module):
         dev, L = tokens.device, tokens.shape[0]
         i64 = torch.int64
         dest = ids.to(i64) // El  # (L, K) the rank of each pair's expert
-        hot = dest.unsqueeze(2) == torch.arange(ep, device=dev)  # (L, K, ep)
-        npairs = hot.sum(1)  # (L, ep): token t's pairs on rank r
-        sent = npairs > 0  # token t has a row for rank r
+        sent = (dest.unsqueeze(2) == torch.arange(ep, device=dev)).any(1)  # (L, ep): t has a row for rank r
         # 1. counts, every rank's to every rank: [s, r] = the pairs of each of r's experts from s, and the rows
         mine = torch.cat([dispatch.counts().to(i64).view(ep, El), sent.sum(0, dtype=i64).view(ep, 1)], 1)
         every = [torch.empty_like(mine) for _ in range(ep)]
@@ -484,23 +465,21 @@ class ExpertParallelMoELayer(nn.Module):
         pair_row = (row_pos[dest, t_of] - row_start[dest] + row_base[dest]).reshape(-1)
         slot_pair = dispatch.slot_token.to(i64) * K + dispatch.slot_k
         slot_row = pair_row.index_select(0, slot_pair)
-        # the destinations' row sums, as (flat, offsets) lists: row (t, r) lists its pairs in k order, each named
-        # by its place in r's receive buffer; row (t, r)'s list starts after the lists of r's rows before it
-        lists = npairs.t()  # (ep, L)
-        list_start = torch.cumsum(lists, 1) - lists + pair_base.unsqueeze(1)  # (ep, L), r's flat numbering
-        row_list = list_start.reshape(-1).index_select(0, row_src)  # per row in send order
+        # each row's pairs in k order, named by their places in the destination's receive buffer, -1 padded
+        J = min(K, El)
         earlier = torch.ones(K, K, dtype=torch.bool, device=dev).tril(-1)  # [k, k'] = k' < k
         within = ((dest.unsqueeze(2) == dest.unsqueeze(1)) & earlier).sum(2)  # (L, K) same-rank pairs before k
-        at = list_start[dest, t_of] - pair_base[dest] + pair_start[dest] + within  # place in this rank's send order
-        named = dispatch.pair_slot.to(i64) - pair_start[dest] + pair_base[dest]  # the pair's place at r
-        list_flat = torch.empty(L * K, dtype=i64, device=dev).scatter_(0, at.reshape(-1), named.reshape(-1))
-        pair_meta = torch.stack([slot_row, list_flat], 1)  # (L * K, 2), both in the pairs' send order
-        # this rank's combine, as (flat, offsets): token t's rows in rank order
-        per_token = sent.sum(1)
-        token_start = torch.cumsum(per_token, 0) - per_token
+        named = dispatch.pair_slot.to(i64) - pair_start[dest] + pair_base[dest]
+        table = torch.full((cap * J,), -1, dtype=torch.int32, device=dev)
+        table.scatter_(0, ((dest * L + t_of) * J + within).reshape(-1), named.to(torch.int32).reshape(-1))
+        row_pairs = table.view(cap, J).index_select(0, row_src)
+        # this rank's combine: token t's rows in rank order, -1 padded
+        R = min(K, ep)
         nth = sent.t().cumsum(0).t() - 1  # (L, ep) t's rows before rank r
-        spot = torch.where(sent, token_start.unsqueeze(1) + nth, cap)
-        token_flat = torch.zeros(cap + 1, dtype=i64, device=dev).scatter_(0, spot.reshape(-1), row_pos.t().reshape(-1))
+        spot = torch.where(sent, torch.arange(L, device=dev).unsqueeze(1) * ep + nth, cap)
+        combine = torch.full((cap + 1,), -1, dtype=torch.int32, device=dev)
+        combine.scatter_(0, spot.reshape(-1), row_pos.t().reshape(-1).to(torch.int32))
+        combine = combine[:cap].view(L, ep)[:, :R].contiguous()
         send_gates = gates.reshape(-1).index_select(0, slot_pair)
         # the one host synchronisation: the four split lists in a single device-to-host transfer
         host = torch.cat([pairs_to[me], rows_to[me], pairs_to[:, me], rows_to[:, me]]).tolist()
@@ -508,21 +487,20 @@ class ExpertParallelMoELayer(nn.Module):
         recv_pairs, recv_rows = host[2 * ep:3 * ep], host[3 * ep:]
         n_rows, n_pairs_in = sum(send_rows), sum(recv_pairs)
         self.last_rows_sent = n_rows
-        row_token, row_list, token_flat = row_token[:n_rows], row_list[:n_rows], token_flat[:n_rows]
-        # 3. exchange: the rows and their lists' starts; each pair's gate, row and place in the lists
-        send = _Gather.apply(tokens, row_token, token_flat, token_start)
+        row_token, row_pairs = row_token[:n_rows], row_pairs[:n_rows]
+        # 3. exchange: the rows and their pairs; each pair's gate and row
+        send = _Gather.apply(tokens, row_token, combine)
         recv = _AllToAll.apply(send, recv_rows, send_rows, self.group)
         recv_gates = _AllToAll.apply(send_gates, recv_pairs, send_pairs, self.group)
-        in_meta = _all_to_all(pair_meta, recv_pairs, send_pairs, self.group)
-        in_lists = _all_to_all(row_list, recv_rows, send_rows, self.group)
-        in_row, in_flat = in_meta[:, 0], in_meta[:, 1]
+        in_row = _all_to_all(slot_row, recv_pairs, send_pairs, self.group)
+        in_pairs = _all_to_all(row_pairs, recv_rows, send_rows, self.group)
         # 4. on this rank: one row per pair (a local gather), the local experts, each row's pairs summed
-        rows = _Gather.apply(recv, in_row, in_flat, in_lists)
+        rows = _Gather.apply(recv, in_row, in_pairs)
         out = self._local_run(rows, recv_gates, meta[:, me, :El], n_pairs_in)
-        summed = _SumRows.apply(out, in_flat, in_lists, in_row)
+        summed = _SumRows.apply(out, in_pairs, in_row)
         # 5. the sums back, in send order; 6. each token's rows summed in rank order
         back = _AllToAll.apply(summed, send_rows, recv_rows, self.group)
-        return _SumRows.apply(back, token_flat, token_start, row_token)
+        return _SumRows.apply(back, combine, row_token)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
   if (threadIdx.x == 0) tile_offsets[num_experts] = carry;
 }
 
-// out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation): deterministic combine. src rows are
+// out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation), negative entries skipped
+// (blazecore.sum_rows' padding; the layer's pair_slot has none): deterministic combine. src rows are
 // d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
 // acc_mode sums several launches' rows (the backward's slices of the reduction) in fp32 in acc, whose rows are
 // ldo apart as out's: 0 none (out = sum), 1 first (acc = sum), 2 next (acc += sum), 3 last (out = acc + sum).
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
     for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
     for (int k = 0; k < topk; ++k) {
       const long long s = __ldg(pair_slot + t * topk + k);
+      if (s < 0) continue;  // an empty entry (blazecore.sum_rows' padding) adds nothing
       const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll

@@ -272,3 +272,16 @@ def moe_backward_ref(dy, x, w13, w2, gates, expert_ids, activation, b13=None, b2
     if interleaved:
         dw13, db13 = _interleave(dw13, 1), _interleave(db13, 1)
     return {"dx": dx, "dw13": dw13, "dw2": dw2, "dgates": dgates, "db13": db13, "db2": db2}
+
+
+def sum_rows_ref(rows, index):
+    """out[i] = sum_j rows[index[i, j]] over the entries index[i, j] >= 0, in j order, accumulated in float32
+    (float64 for float64 rows) and rounded once to the rows' dtype, as blazecore.sum_rows does."""
+    rows, index = np.asarray(rows), np.asarray(index)
+    acc_t = np.float64 if rows.dtype == np.float64 else np.float32
+    acc = np.zeros((index.shape[0], rows.shape[1]), dtype=acc_t)
+    for j in range(index.shape[1]):
+        sel = index[:, j]
+        keep = sel >= 0
+        acc[keep] += rows[sel[keep]].astype(acc_t)
+    return acc.astype(rows.dtype)
