@@ -147,7 +147,7 @@ def _rows(layer, x, dy, args, torch, dist, cuda, device, impl, modes, world, L, 
         rows.append({
             "shape": args.shape, "impl": impl, "d": d, "h": h, "E": E, "K": K, "gpus": world,
             "experts_per_gpu": E // world, "tokens_per_gpu": L, "global_tokens": L * world, "exchange": exchange,
-            "exchange_mode": mode,
+            "exchange_mode": mode, "input_grad": True,
             "rows_sent_per_token": sum(e[4] for e in every) / (L * world) if exchange else None,
             "dtype": str(dtype)[6:], "checkpoint": args.checkpoint if impl == "blazecore" else None,
             "step_ms": slowest, "step_ms_by_rank": [e[0] for e in every],

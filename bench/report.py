@@ -234,16 +234,26 @@ def _exchange_mode(r: dict) -> str:
     return r.get("exchange_mode") or "pairs"
 
 
+def _ep_input_grad(r: dict) -> bool:
+    """Whether an ep row's step included the input's gradient: recorded since it does; the rows written before the
+    field (those without ``exchange_mode``, from before the layer had two exchanges) were timed without it."""
+    return r.get("input_grad", "exchange_mode" in r)
+
+
 def ep_table(doc: dict) -> str:
     """bench_ep: weak scaling of the expert-parallel layer, the local experts on moe_ffn and on the grouped_mm MoE."""
     h, rows = doc["header"], doc["rows"]
+    grads = {_ep_input_grad(r) for r in rows}
+    grad = ("the input's gradient included" if grads == {True} else "without the input's gradient" if grads == {False}
+            else "some rows with the input's gradient")
     shapes = ", ".join(dict.fromkeys(f"{r['shape']} (d={r['d']}, h={r['h']}, E={r['E']}, K={r['K']})" for r in rows))
     out = [f"Expert-parallel layer (`ExpertParallelMoELayer`: router, all-to-all of rows and gates, local experts, "
-           f"return, combine), forward+backward, bf16, {shapes}, tokens per GPU fixed ({_header_line(h)}); one "
-           "torchrun per GPU count; exchange: \"no\" (one GPU, no all-to-all), \"tokens\" (each token sent once to "
-           "every rank that holds one of its experts) or \"pairs\" (one row per (token, expert) pair), with one GPU "
-           "against the group of one; rows/token: the rows a token sent; NCCL share: the largest rank's share of the "
-           "step in NCCL's kernels (PyTorch profiler); per-GPU rate against the same implementation's one-GPU run "
+           f"return, combine), forward+backward ({grad}), bf16, {shapes}, tokens per GPU fixed "
+           f"({_header_line(h)}); one torchrun per GPU count; exchange: \"no\" (one GPU, no all-to-all), "
+           "\"tokens\" (each token sent once to every rank that holds one of its experts) or \"pairs\" (one row "
+           "per (token, expert) pair), with one GPU against the group of one; rows/token: the rows a token sent; "
+           "NCCL share: the largest rank's share of the step in NCCL's kernels (PyTorch profiler); per-GPU rate "
+           "against the same implementation's one-GPU run "
            "without exchange:", "",
            "| local experts | GPUs | tokens/GPU | exchange | rows/token | step ms | tokens/s | tokens/s/GPU | "
            "vs 1 GPU | peak GiB/GPU | NCCL share |",

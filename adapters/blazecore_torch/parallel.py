@@ -7,25 +7,30 @@ token once to every rank that holds one of its experts:
 
     1. route locally: gates, ids (L, K) = route_topk(x @ router^T); dispatch = build_dispatch(ids, E), the
        sort-free build, whose slots are ordered by expert, hence by destination rank.
-    2. count exchange: per destination rank, the pair counts of its E_local experts and the number of rows
-       (tokens with at least one expert there) go through one ``all_to_all_single``. The four split lists
-       (rows and pairs, sent and received) are read to the host in ONE transfer: the layer's only host
+    2. counts: per destination rank, the pair counts of its E_local experts and the number of rows (tokens
+       with at least one expert there), all-gathered, so that every rank places its rows and pairs in every
+       destination's receive buffers itself.
+    3. indices, on the device, by scatters to distinct targets (no sort, no atomics): the rows in send order
+       (rank-major, tokens ascending), each pair's row at its destination (in slot order, i.e. expert order),
+       each row's pairs (-1 padded to min(K, E_local)) and each token's rows (-1 padded to min(K, ep_size)),
+       into buffers of ep_size * L rows, queued before the host read that follows. The four split lists (rows
+       and pairs, sent and received) are read to the host in ONE transfer: the layer's only host
        synchronisation (``all_to_all_single`` takes its splits as Python lists; a buffer's size is a shape).
-    3. pack: ``x.index_select`` writes the send buffer straight from x, one row per (token, destination),
-       rank-major. Alongside go each pair's gate and row (in slot order, i.e. expert order) and each row's
-       pairs (-1 padded to min(K, E_local)); every index is built on the device by scatters to distinct
-       targets (no sort, no atomics).
-    4. exchange: ``all_to_all_single`` of the rows, the gates and the two index arrays.
+    4. pack and exchange: ``x.index_select`` writes the send buffer straight from x, one row per (token,
+       destination); ``all_to_all_single`` of the rows, the pairs' gates and rows, and the rows' pairs.
     5. local experts: the received rows are gathered once per pair (a local copy in expert order), run by
        ``moe_ffn`` as tokens with K = 1 and their own gate (ids built on the device from the received
-       counts), and each row's pairs summed in k order (float32, rounded once).
+       counts), and each row's pairs summed.
     6. return exchange: the per-row sums go back with the splits swapped.
-    7. combine: y[t] = the sum of t's returned rows in rank order: deterministic, no atomics.
+    7. combine: y[t] = the sum of t's returned rows in rank order.
+
+Every row sum is ``ops.sum_rows`` (``blazecore.sum_rows``): one pass over a -1 padded index on the layer's
+deterministic combine kernel, float32 sums in index order rounded once, no atomics.
 
 With uniform routing a token has ep * (1 - C(E - E_local, K) / C(E, K)) distinct destination ranks on average,
-e.g. 2.0 for olmoe (E = 64, K = 8) over 2 ranks and 3.66 over 4, against K rows a token with ``exchange="pairs"``, which
-sends one row per (token, expert) pair: the (L*K, d) send buffer x[slot_token], the (N, d) results back in
-slot order, combined by y[t] = sum_k back[pair_slot[t, k]].
+e.g. 2.0 for olmoe (E = 64, K = 8) over 2 ranks and 3.66 over 4, against K rows a token with
+``exchange="pairs"``, which sends one row per (token, expert) pair: the (L*K, d) send buffer x[slot_token],
+the (N, d) results back in slot order, combined by y[t] = sum_k back[pair_slot[t, k]].
 
 The backward is the mirror image, through autograd: the all-to-alls are autograd Functions whose backward
 is the all-to-all with swapped splits; every gather's backward is the matching row sum (by the -1 padded
