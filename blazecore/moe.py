@@ -488,8 +488,10 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
         index: (m, J) int32, C-contiguous: row numbers in [0, n), or -1 (or any negative) for nothing.
         out: optional (m, w) buffer in the rows' dtype (the same alignment on the GPU).
         stream: as in :func:`moe_forward`.
-        validate: check that every entry is below n (on the GPU a reduction and one host read, which
-            synchronises the stream; pass False where the index is known to be in range).
+        validate: check that every entry is below n and raise ValueError if not (on the GPU a reduction and one
+            host read, which synchronises the stream; pass False where the index is known to be in range). With
+            False, the GPU counts an entry >= n as -1 (a small pass over the index: the kernel never reads past
+            the rows); the CPU checks always.
 
     Returns:
         (m, w) in the rows' dtype, on the rows' device.
@@ -512,7 +514,7 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
     if stream is not None and not gpu:
         raise ValueError("stream given, but the inputs are CPU arrays (streams apply to CUDA arrays)")
     with _array.stream_scope(stream, gpu):
-        if validate and ix.size:
+        if (validate or not gpu) and ix.size:
             hi = int(ix.max())
             if hi >= n:
                 raise ValueError(f"index: entry {hi} is out of range for {n} rows")
@@ -521,9 +523,20 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
             _moe_gpu.check_aligned({"rows": r, "out": res.view})
             _check_gpu_device({"out": res.view}, r.device.id)
             if m:
+                if not validate:
+                    ix = _entries_in_range(ix, n)
                 _moe_gpu.sum_rows(r, ix, res.view, _array.current_stream(stream))
         else:
             from .reference import moe as ref
 
             res.view[...] = ref.sum_rows_ref(r, ix)
         return _array.like_caller(res.user, rows)
+
+
+def _entries_in_range(ix, n: int):
+    """``ix`` (int32, NumPy or CuPy) with every entry >= n set to -1: an unvalidated index whose bad entries the
+    combine kernel then skips instead of reading past the n rows (no int32 entry reaches n >= 2**31)."""
+    if n > _validate.INT32_MAX:
+        return ix
+    xp = np if isinstance(ix, np.ndarray) else _array._cupy()
+    return xp.ascontiguousarray(xp.where(ix < n, ix, xp.int32(-1)).astype(np.int32, copy=False))
