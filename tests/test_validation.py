@@ -293,6 +293,12 @@ def _z_bwd(**kw):
     return router(rt.router_z_loss_backward, outs=("out",), **base)
 
 
+def _sum_rows(**kw):
+    base = {"rows": np.ones((6, 8), F32), "index": np.zeros((RL, 2), np.int32), "out": ((RL, 8), F32)}
+    base.update(kw)
+    return router(blazecore.sum_rows, outs=("out",), **base)
+
+
 def _bad_allocator(backend):
     import cupy
 
@@ -720,6 +726,20 @@ ROWS = [
     Row("router_z_loss_backward.stream_cpu", "router_z_loss_backward", "a stream with CPU logits", ValueError,
         "stream given, but the logits are a CPU array", CPU, _z_bwd(stream=0)),
     # ---- memory model and planner
+    # ---- sum_rows
+    Row("sum_rows.index_int64", "sum_rows", "index int64", TypeError, "index: expected int32, got int64", BOTH,
+        _sum_rows(index=np.zeros((RL, 2), np.int64))),
+    Row("sum_rows.index_range", "sum_rows", "an entry = n (validate=True)", ValueError,
+        "index: entry 6 is out of range for 6 rows", BOTH, _sum_rows(index=np.full((RL, 2), 6, np.int32))),
+    Row("sum_rows.rows_1d", "sum_rows", "rows 1-D", ValueError, "rows: expected 2-D", BOTH,
+        _sum_rows(rows=np.zeros(8, F32))),
+    Row("sum_rows.rows_dtype", "sum_rows", "rows int32", TypeError, "rows: dtype int32 not supported", BOTH,
+        _sum_rows(rows=np.zeros((6, 8), np.int32))),
+    Row("sum_rows.out_shape", "sum_rows", "out (L + 1, w)", ValueError, "out: shape (5, 8), expected (4, 8)", BOTH,
+        _sum_rows(out=((RL + 1, 8), F32))),
+    Row("sum_rows.rows_width", "sum_rows", "rows of 12 bytes", ValueError,
+        "rows: the GPU kernel reads 16 bytes at a time", GPU, _sum_rows(rows=np.zeros((6, 3), F32),
+                                                                         out=((RL, 3), F32))),
     Row("moe_memory.checkpoint", "moe_memory", "unknown checkpoint policy", ValueError,
         "unknown checkpoint policy 'all'", CPU, plain(lambda: blazecore.moe_memory(8, 8, 8, 2, 1, checkpoint="all"))),
     Row("moe_memory.sizes", "moe_memory", "d = 0", ValueError, "sizes must be positive (L >= 0): L=8 d=0", CPU,
