@@ -424,6 +424,8 @@ def suite_errors(rank, world):
     layer = ExpertParallelMoELayer(8, 4, 2 * world, 1, dtype=torch.float64)
     expect(ValueError, lambda: layer(torch.zeros(3, 8, dtype=torch.float64, device="meta")), "one device")
     expect(TypeError, lambda: layer(torch.zeros(3, 8)), "dtype")
+    layer.exchange = "rows"
+    expect(ValueError, lambda: layer(torch.zeros(3, 8, dtype=torch.float64)), "exchange must be")
     print("OK errors", flush=True)
 
 

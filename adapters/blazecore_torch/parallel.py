@@ -63,6 +63,7 @@ from .layer import MoELayer, add_expert_parameters, check_layer_options, reset_e
 EXCHANGES = ("tokens", "pairs")
 
 __all__ = [
+    "EXCHANGES",
     "ExpertParallelMoELayer",
     "LocalExperts",
     "all_reduce_gradients",
@@ -346,6 +347,8 @@ class ExpertParallelMoELayer(nn.Module):
         w13, router = self.experts.gate_up_proj, self.router.weight
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
+        if self.exchange not in EXCHANGES:  # (an attribute: it may have been set after construction)
+            raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {self.exchange!r}")
         if x.dtype != router.dtype:
             raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({router.dtype})")
         if x.device != w13.device or router.device != w13.device:
