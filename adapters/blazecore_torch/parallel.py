@@ -193,6 +193,11 @@ class _SumRows(torch.autograd.Function):
         return dy.contiguous().index_select(0, inverse), None, None
 
 
+def _check_exchange(exchange) -> None:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
+
+
 def _exclusive_cumsum(a: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(a, 0) - a
 
@@ -270,8 +275,7 @@ class ExpertParallelMoELayer(nn.Module):
                  retain_saved: bool = False, weight_layout: str = "out_in", bias: bool = False,
                  exchange: str = "tokens", device=None, dtype=None):
         super().__init__()
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
+        _check_exchange(exchange)
         gated = check_layer_options(hidden_size, intermediate_size, num_experts, top_k, activation=activation,
                                     score=score, checkpoint=checkpoint, chunks=chunks, weight_layout=weight_layout)
         self.group = resolve_ep_group(group, ep_dim=ep_dim)
@@ -347,8 +351,7 @@ class ExpertParallelMoELayer(nn.Module):
         w13, router = self.experts.gate_up_proj, self.router.weight
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: last dimension {x.shape[-1]}, expected hidden_size = {self.hidden_size}")
-        if self.exchange not in EXCHANGES:  # (an attribute: it may have been set after construction)
-            raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {self.exchange!r}")
+        _check_exchange(self.exchange)  # (an attribute: it may have been set after construction)
         if x.dtype != router.dtype:
             raise TypeError(f"x: dtype {x.dtype} differs from the layer's parameters ({router.dtype})")
         if x.device != w13.device or router.device != w13.device:
@@ -584,8 +587,7 @@ def to_expert_parallel(model: nn.Module, mesh, *, ep_dim: str = "ep", exchange: 
     """Replace every ``MoELayer`` in ``model`` by an :class:`ExpertParallelMoELayer` on ``mesh``'s ``ep_dim`` group
     with the same configuration and weights (this rank's experts sliced out; ``exchange`` as the layer's). Every rank
     must hold the same full weights beforehand (the same seed). Returns ``model`` (changed in place)."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
+    _check_exchange(exchange)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoELayer):
