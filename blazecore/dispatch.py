@@ -2,7 +2,8 @@
 
 ``build_dispatch(expert_ids, num_experts)`` turns top-k routing, ``expert_ids`` (L, K), into the
 layout the expert kernels read: the L*K (token, k) pairs listed expert by expert, within an expert by
-token then k (deterministic, the same bits every run). CUDA arrays run ``cuda/dispatch.cu`` in at most
+token then k (deterministic, the same bits every run). An id of -1 drops its pair: it goes to no expert
+and is listed after every expert's pairs. CUDA arrays run ``cuda/dispatch.cu`` in at most
 three launches (count, scan over tiles, scatter) with no atomics and no host synchronisation, so the
 build can be captured in a CUDA graph; CPU arrays run ``blazecore/reference/dispatch.py``.
 """
@@ -60,13 +61,16 @@ class Dispatch:
     With N = num_tokens * top_k and E = num_experts:
 
     - ``expert_offsets`` (E + 1,): expert e owns slots ``expert_offsets[e] : expert_offsets[e + 1]``;
-      ``expert_offsets[0] == 0`` and ``expert_offsets[E] == N``.
+      ``expert_offsets[0] == 0`` and ``expert_offsets[E]`` is the number of routed pairs (N when no id is
+      -1).
     - ``slot_token`` (N,): the token of each slot.
     - ``slot_k`` (N,): which of the token's K choices each slot is (``expert_ids[slot_token, slot_k]``
-      is the slot's expert).
-    - ``pair_slot`` (num_tokens, top_k): the slot of each pair, the inverse of (slot_token, slot_k).
+      is the slot's expert, or -1 for the slots ``expert_offsets[E]:`` of the dropped pairs).
+    - ``pair_slot`` (num_tokens, top_k): the slot of each routed pair, the inverse of (slot_token,
+      slot_k); -1 for a dropped pair.
 
-    Within an expert, slots are ordered by token, then k.
+    Within an expert, slots are ordered by token, then k; the dropped pairs follow the last expert's, in
+    the same order.
     """
 
     expert_offsets: Any
@@ -106,22 +110,27 @@ def check_sizes(num_tokens: int, top_k: int, num_experts: int) -> None:
     _validate.check_int32_range(num_tokens * top_k, f"num_tokens * top_k ({num_tokens} * {top_k})")
 
 
+DROPPED = -1  # the expert id of a pair that goes to no expert
+
+
 def _describe_bad(row: np.ndarray, t: int, k: int, num_experts: int) -> str:
     v = int(row[k])
     if not 0 <= v < num_experts:
-        return f"expert_ids[{t}, {k}] = {v} is outside [0, {num_experts})"
+        tail = " and is not -1 (a dropped pair)" if v < 0 else ""
+        return f"expert_ids[{t}, {k}] = {v} is outside [0, {num_experts}){tail}"
     k0 = int(np.flatnonzero(row[:k] == v)[0])
     return (f"expert_ids[{t}, {k}] = {v} repeats expert_ids[{t}, {k0}]: "
             f"a token must pick {row.shape[0]} distinct experts")
 
 
 def _first_bad_cpu(ids: np.ndarray, num_experts: int) -> int:
-    """Smallest flat index t*K + k of an id outside [0, E) or equal to one at a smaller k; -1 if none."""
-    bad = (ids < 0) | (ids >= num_experts)
+    """Smallest flat index t*K + k of an id outside [0, E) other than -1, or of an id in [0, E) equal to one at a
+    smaller k; -1 if none."""
+    bad = ((ids < 0) | (ids >= num_experts)) & (ids != DROPPED)
     if ids.shape[1] > 1:
         order = np.argsort(ids, axis=1, kind="stable")
         srt = np.take_along_axis(ids, order, axis=1)
-        dup = srt[:, 1:] == srt[:, :-1]  # the later k of an equal pair (stable order)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != DROPPED)  # the later k of an equal pair (stable order)
         rows, cols = np.nonzero(dup)
         bad[rows, order[rows, cols + 1]] = True
     flat = np.flatnonzero(bad.reshape(-1))
@@ -130,7 +139,8 @@ def _first_bad_cpu(ids: np.ndarray, num_experts: int) -> int:
 
 def check_ids_host(expert_ids: np.ndarray, num_experts: int) -> None:
     """Raise ValueError naming the first (token, k) of the (L, K) host array ``expert_ids`` whose id is outside
-    [0, num_experts) or repeats an id earlier in its row (what ``build_dispatch(..., validate=True)`` checks)."""
+    [0, num_experts) and not -1, or repeats an expert earlier in its row (what ``build_dispatch(..., validate=True)``
+    checks)."""
     ids = np.asarray(expert_ids)
     if ids.size:
         first = _first_bad_cpu(ids, num_experts)
@@ -200,11 +210,17 @@ def _round16(n: int) -> int:
 
 
 def count_smem(p: Plan, num_experts: int) -> int:
-    return 2 * (p.block // 32) * num_experts
+    return 2 * (p.block // 32) * (num_experts + 1)  # one bucket more, the dropped pairs'
 
 
 def scatter_smem(p: Plan, num_experts: int) -> int:
-    return 3 * _round16(4 * num_experts) + max(2 * (p.block // 32) * num_experts, 4 * p.tile)
+    nb = num_experts + 1
+    return 3 * _round16(4 * nb) + max(2 * (p.block // 32) * nb, 4 * p.tile)
+
+
+def workspace_size(p: Plan, num_experts: int) -> int:
+    """int32 entries of the build's workspace: the (tiles, E + 1) counts and the E + 1 totals (0 for one tile)."""
+    return 0 if p.mode == MODE_SINGLE_TILE else (p.num_tiles + 1) * (num_experts + 1)
 
 
 def check_smem(top_k: int, num_experts: int) -> int:
@@ -304,7 +320,7 @@ def launch_build(ids, num_experts: int, p: Plan, workspace, expert_offsets, slot
                  stream=None) -> None:
     """Launcher of the build for plan ``p`` (see :func:`plan`), all CUDA arrays on one device:
 
-    ids (L, K) int32/int64 with L*K >= 1; workspace (p.num_tiles * E + E,) int32, or None when
+    ids (L, K) int32/int64 with L*K >= 1; workspace (:func:`workspace_size`,) int32, or None when
     ``p.mode == MODE_SINGLE_TILE``; expert_offsets (E + 1,), slot_token (L*K,), slot_k (L*K,),
     pair_slot (L, K), int32 outputs.
     """
@@ -322,7 +338,7 @@ def launch_build(ids, num_experts: int, p: Plan, workspace, expert_offsets, slot
     _check_int32_out(slot_k, "slot_k", (n,))
     _check_int32_out(pair_slot, "pair_slot", (num_tokens, top_k))
     if p.mode != MODE_SINGLE_TILE:
-        _check_int32_out(workspace, "workspace", (p.num_tiles * num_experts + num_experts,))
+        _check_int32_out(workspace, "workspace", (workspace_size(p, num_experts),))
         arrays["workspace"] = workspace
     _validate.same_device(arrays)
     _check_smem_fits(dev, scatter_smem(p, num_experts), num_experts)
@@ -339,15 +355,16 @@ def _launch_build(dev: int, ids, num_experts: int, p: Plan, workspace, expert_of
     if p.mode == MODE_SINGLE_TILE:
         tile_counts = totals = expert_offsets  # never read in this mode; any device pointer will do
     else:
-        split = p.num_tiles * num_experts
+        split = p.num_tiles * (num_experts + 1)
         tile_counts, totals = workspace[:split], workspace[split:]
         c_smem = count_smem(p, num_experts)
         fn = _function(dev, f"dispatch_count<{p.block}, {p.items}, {idt}>", c_smem)
         fn(grid, (p.block,), (ids, n32, e32, tile_counts), shared_mem=c_smem, stream=stream)
         if p.mode == MODE_SCANNED:
             fn = _function(dev, f"dispatch_scan_tiles<{_SCAN_BLOCK}>", 0)
-            fn((-(-num_experts // 8),), (_SCAN_BLOCK,), (tile_counts, totals, np.int32(p.num_tiles), e32),
-               stream=stream)
+            # over the E + 1 buckets (the dropped pairs' last)
+            fn((-(-(num_experts + 1) // 8),), (_SCAN_BLOCK,),
+               (tile_counts, totals, np.int32(p.num_tiles), np.int32(num_experts + 1)), stream=stream)
     s_smem = scatter_smem(p, num_experts)
     fn = _function(dev, f"dispatch_scatter<{p.block}, {p.items}, {idt}>", s_smem)
     fn(grid, (p.block,),
@@ -418,7 +435,7 @@ def _build_gpu(ids, num_experts: int, num_tokens: int, top_k: int, stream, valid
     else:
         workspace = None
         if p.mode != MODE_SINGLE_TILE:
-            workspace = _array.empty_gpu((p.num_tiles * num_experts + num_experts,), np.int32).view
+            workspace = _array.empty_gpu((workspace_size(p, num_experts),), np.int32).view
         _launch_build(dev, ids, num_experts, p, workspace, offsets, slot_token, slot_k, pair_slot, stream)
     return Dispatch(offsets, slot_token, slot_k, pair_slot, num_tokens, top_k, num_experts)
 
@@ -428,14 +445,15 @@ def build_dispatch(expert_ids, num_experts: int, *, validate: bool = True, strea
 
     Args:
         expert_ids: (L, K) int32 or int64, C-contiguous, any DLPack array. Row t holds the K distinct
-            experts token t is routed to, in [0, num_experts). CUDA arrays run the kernels (at most
-            three launches); CPU arrays run the NumPy reference.
+            experts token t is routed to, in [0, num_experts), or -1 (any number of times) for a pair
+            that goes to no expert (dropped: listed after the experts' slots, ``pair_slot`` -1). CUDA
+            arrays run the kernels (at most three launches); CPU arrays run the NumPy reference.
         num_experts: E >= K.
-        validate: check the ids' values (in range, no repeat within a row) before building and raise
+        validate: check the ids' values (in range or -1, no expert twice in a row) before building and raise
             ValueError naming the first bad (token, k). On the GPU this is one check kernel and a
             device-to-host read, which synchronises the stream; pass ``validate=False`` to skip it
             (required under CUDA graph capture, and the fast path). Unvalidated kernels still never
-            read or write out of bounds: an id outside [0, E) is clamped into range and a repeated id
+            read or write out of bounds: a negative id drops its pair, one >= E is clamped to E - 1, and a repeated id
             is placed like any other, so bad ids give a well-formed but meaningless dispatch (the CPU
             reference clamps too, but leaves the entries of a repeated id at -1).
         stream: cupy Stream or raw ``cudaStream_t`` int for GPU inputs (default: cupy's current

@@ -97,6 +97,11 @@ def dispatch():
                 d = blazecore.build_dispatch(dev(ids), E, validate=validate)
                 off = d.expert_offsets.get()
                 assert np.array_equal(np.diff(off), np.bincount(ids.reshape(-1), minlength=E)), (L, K, E)
+            dropped = np.where(rng.random(ids.shape) < 0.25, -1, ids)  # pairs of no expert, listed last
+            d = blazecore.build_dispatch(dev(dropped), E)
+            off = d.expert_offsets.get()
+            assert np.array_equal(np.diff(off), np.bincount(dropped[dropped >= 0], minlength=E)), (L, K, E)
+            assert np.array_equal(d.pair_slot.get() < 0, dropped < 0), (L, K, E)
     ids = routing(rng, 1500, 64, 2)
     for tile in D._TILES:
         for mode in (D.MODE_SINGLE_TILE, D.MODE_DIRECT_SUM, D.MODE_SCANNED):
@@ -164,7 +169,9 @@ def _stored(w13, w2, b13, interleaved: bool, layout: str):
 
 
 def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swiglu", "gelu"), layout="out_in",
-           interleaved=False, act_in_operand=False):
+           interleaved=False, act_in_operand=False, drop: float = 0.0):
+    """The layer forward and backward against the float64 reference; ``drop``: the share of pairs given the id -1
+    (dropped), the last token's pairs all of them."""
     os.environ["BLAZECORE_SM90"] = "1" if sm90 else "0"
     rng = np.random.default_rng(2)
     kw = {"chunks": chunks, "block_tokens": 32} if chunks > 1 else {}
@@ -181,6 +188,9 @@ def _layer(sm90: bool, dtypes, chunks: int = 1, shapes=SHAPES, activations=("swi
                     b13 = (0.1 * rng.standard_normal((E, R))).astype(dt)
                     b2 = (0.1 * rng.standard_normal((E, d))).astype(dt)
                     ids = routing(rng, L, E, K, skew=skew, empty=empty)
+                    if drop:
+                        ids[rng.random(ids.shape) < drop] = -1
+                        ids[-1] = -1
                     g = rng.random((L, K)) + 0.1
                     gates = (g / g.sum(axis=1, keepdims=True)).astype(np.float32)
                     dy = rng.standard_normal((L, d)).astype(dt)
@@ -277,6 +287,15 @@ def moe_zsliced():
         _layer(False, (np.float32,), chunks=chunks, shapes=[SHAPES[4]], activations=("swiglu", "gelu"))
     _layer(False, (BF16,), chunks=3, shapes=[SHAPES[4]], activations=("swiglu_oai",), layout="in_out",
            interleaved=True)
+
+
+@case
+def moe_dropped():
+    # pairs with the id -1 (no expert): the dispatch lists them after the experts' slots, whose rows the GEMMs never
+    # write; both paths, chunked and not
+    _layer(True, (BF16,), shapes=SHAPES[:2], activations=("swiglu",), drop=0.3)
+    _layer(True, (BF16,), chunks=3, shapes=SHAPES[:2], activations=("swiglu",), drop=0.3)
+    _layer(False, (np.float32,), shapes=SHAPES[:2], activations=("gelu",), drop=0.3)
 
 
 @case

@@ -488,7 +488,7 @@ def test_bad_id_values_fail_when_run():
     with pytest.raises(ValueError, match=r"^expert_ids\[1, 0\] = 9 is outside \[0, 6\)$"):
         ops.build_dispatch(D["ids"].at[1, 0].set(9), 6)
     with pytest.raises(ValueError, match="is outside"):  # under grad (no jit) the ids are still concrete
-        jax.grad(lambda x: ops.moe_ffn(x, D["w13"], D["w2"], D["gates"], D["ids"].at[1, 0].set(-1)).sum())(D["x"])
+        jax.grad(lambda x: ops.moe_ffn(x, D["w13"], D["w2"], D["gates"], D["ids"].at[1, 0].set(-2)).sum())(D["x"])
     # inside jit the values exist only in the callback: JAX wraps its ValueError, whose message still shows
     with pytest.raises(Exception, match="expert_ids"):
         jax.block_until_ready(jax.jit(ops.moe_ffn)(D["x"], D["w13"], D["w2"], D["gates"], bad))

@@ -908,7 +908,7 @@ FORWARD_BAD = [
     ("b2_noncontig", _mod(b2=lambda i, b: _noncontig(i["b2"], b)), ValueError, "b2: must be C-contiguous"),
     ("ids_too_big", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 3, [[1, E_]], i["ids"]).astype(
         np.int32)), ValueError, "outside"),
-    ("ids_negative", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 2, [[-1, 0]], i["ids"]).astype(
+    ("ids_negative", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 2, [[-2, 0]], i["ids"]).astype(
         np.int32)), ValueError, "outside"),
     ("ids_repeat", _mod(ids=lambda i, b: np.where(np.arange(L_)[:, None] == 1, [[2, 2]], i["ids"]).astype(
         np.int32)), ValueError, "repeats"),

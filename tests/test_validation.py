@@ -411,8 +411,9 @@ ROWS = [
         BOTH, fwd(b2=lambda i, b: _noncontig(i["b2"], b))),
     Row("moe_forward.ids_out_of_range", "moe_forward", "an id >= E", ValueError,
         "expert_ids[3, 1] = 4 is outside [0, 4)", BOTH, fwd(expert_ids=_mixed_ids)),
-    Row("moe_forward.ids_negative", "moe_forward", "a negative id", ValueError, "expert_ids[2, 0] = -1 is outside",
-        BOTH, fwd(expert_ids=lambda i, b: np.where(np.arange(L_)[:, None] == 2, [[-1, 0]], i["expert_ids"]).astype(
+    Row("moe_forward.ids_negative", "moe_forward", "a negative id other than -1", ValueError,
+        "expert_ids[2, 0] = -2 is outside [0, 4) and is not -1",
+        BOTH, fwd(expert_ids=lambda i, b: np.where(np.arange(L_)[:, None] == 2, [[-2, 0]], i["expert_ids"]).astype(
             np.int32))),
     Row("moe_forward.ids_repeat", "moe_forward", "an id twice in a row", ValueError,
         "expert_ids[1, 1] = 2 repeats expert_ids[1, 0]", BOTH,

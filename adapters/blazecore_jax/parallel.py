@@ -12,13 +12,15 @@ Per device, with L local tokens:
     3. the send buffer x[slot_token] (L*K, d) is gathered straight from x, the gates alongside.
     4. rows and gates are exchanged: ``ragged_all_to_all`` where the backend has it (GPUs), otherwise
        (XLA:CPU has no ragged-all-to-all) ``all_to_all`` of a buffer padded to L*K rows per destination.
-    5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate.
+    5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate; the
+       rows of the buffer that hold nothing have the id -1 (a dropped pair), so no expert computes them.
     6. results go back the same way; y[t] = sum_k back[pair_slot[t, k]].
 
 Shapes are static under ``jit``, so a device's receive buffer holds the worst case (every device sends it
-all its L*K pairs): ep * L * K rows. The unused rows get gate 0 (they add exactly 0 to y and to every
-gradient) and are computed like the others: the local experts cost ep times a balanced routing's rows.
-No host synchronisation: the counts stay on the device. Gradients come from JAX's transposes of the
+all its L*K pairs): ep * L * K rows. The unused rows are dropped pairs (id -1): the dispatch lists them
+after the experts' rows, the expert GEMMs never reach them and they add exactly 0 to y and to every
+gradient, so the local experts cost the rows actually received, not the buffer's ep * L * K. No host
+synchronisation: the counts stay on the device. Gradients come from JAX's transposes of the
 collectives and gathers and from the ops' own VJPs; everything works under ``jit`` and ``grad``.
 """
 
@@ -122,7 +124,7 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         ends = jnp.cumsum(recv_counts.reshape(-1))
         seg = jnp.searchsorted(ends, row, side="right")
         valid = row < ends[-1]
-        local_id = jnp.where(valid, seg % El, 0)
+        local_id = jnp.where(valid, seg % El, -1)
     else:
         # slot s goes to destination dst(s), row s - send_start[dst] of that destination's block of n rows
         slot = jnp.arange(n)
@@ -142,11 +144,11 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         ends = jnp.cumsum(recv_counts, axis=1)  # (ep, El)
         local_id = jax.vmap(lambda e, o: jnp.searchsorted(e, o, side="right"))(ends[src], off)
         valid = off < ends[src, -1]
-        local_id = jnp.where(valid, local_id, 0)
-    recv_gates = jnp.where(valid, recv_gates, 0.0).reshape(cap, 1)
+        local_id = jnp.where(valid, local_id, -1)
+    recv_gates = recv_gates.reshape(cap, 1)
+    # the rows past what was received are dropped pairs (id -1): no expert computes them, their outputs are 0 and
+    # none of them is sent back
     recv_ids = jax.lax.stop_gradient(local_id.astype(jnp.int32).reshape(cap, 1))
-    # (the rows past what was received have zero tokens and gates: with biases their outputs are not zero, but no
-    # row of them is sent back, so they take no part in y or in any gradient)
     b13, b2 = expert_biases(params)
     out = ops.moe_ffn(recv, w13, w2, recv_gates, recv_ids, activation=activation, checkpoint=checkpoint,
                       dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks, b13=b13, b2=b2,

@@ -13,8 +13,9 @@ F)), so checkpoints, ``param_init`` and sharding configs apply unchanged. Its fo
 R tokens with K = 1 and gate 1 (torchtitan applies the router scores in its combine), builds the ids on the
 device from the counts (no host read) and runs ``moe_ffn`` (gather, activation and down projection fused).
 blazecore takes the gate and up projections as one (E, 2F, D) operand, so the forward concatenates w1 and w3
-(a weight-sized transient per step, no activation-sized copy). Rows past the counts' total (padding) get gate
-0. Works with torchtitan >= 0.3 (``torchtitan.models.common.moe``); importing this module imports torchtitan.
+(a weight-sized transient per step, no activation-sized copy). Rows past the counts' total (padding) get the id
+-1 (a dropped pair): no expert computes them and their outputs are 0. Works with torchtitan >= 0.3
+(``torchtitan.models.common.moe``); importing this module imports torchtitan.
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ def blazecore_experts_class(parent_cls: type = GroupedExperts) -> type:
             counts = num_tokens_per_expert_E.to(torch.int64)
             ends = torch.cumsum(counts, 0)
             rows = torch.arange(R, device=x_RD.device)
-            # row r belongs to the first expert whose cumulative count exceeds r (no host read of the counts)
-            ids = torch.searchsorted(ends, rows, right=True).clamp_(max=e - 1).to(torch.int32).view(R, 1)
+            # row r belongs to the first expert whose cumulative count exceeds r (no host read of the counts); a
+            # padding row past the counts' total is a dropped pair (id -1): no expert computes it, its output is 0
+            ids = torch.searchsorted(ends, rows, right=True).clamp_(max=e - 1)
+            ids = torch.where(rows < ends[-1:], ids, -1).to(torch.int32).view(R, 1)
             gate_dtype = torch.float64 if w1.dtype == torch.float64 else torch.float32
-            gates = (rows < ends[-1:]).to(gate_dtype).view(R, 1)
+            gates = torch.ones(R, 1, dtype=gate_dtype, device=x_RD.device)
             w13 = torch.cat([w1, w3], dim=1)  # (e, 2F, D) = [gate rows; up rows]
             dispatch = ops.build_dispatch(ids, e, validate=False)
             y = ops.moe_ffn(x_RD.to(w1.dtype), w13, w2, gates, ids, activation="swiglu",

@@ -18,24 +18,30 @@
 //                        Every block also scans the E expert totals to the expert offsets (E ints from
 //                        L2); block 0 writes expert_offsets.
 //
+// Dropped pairs: an id of -1 routes the pair to no expert. The build counts such pairs in one more
+// bucket, E, after the experts' (NB = E + 1 buckets), so they take the slots [expert_offsets[E], N) in
+// pair order, and their pair_slot entries are -1; expert_offsets[E] is the number of routed pairs.
+//
 // No atomics anywhere (the results are the same bits every run) and no value read back by the host,
-// so the build can be captured in a CUDA graph. Invalid ids are never trusted: an id outside [0, E)
-// is clamped into range before it indexes anything, so a build with validate=False reads and writes
-// only inside its arrays whatever the ids hold. dispatch_check is the optional value check.
+// so the build can be captured in a CUDA graph. Invalid ids are never trusted: a negative id goes to
+// the dropped bucket and one >= E is clamped to E - 1 before it indexes anything, so a build with
+// validate=False reads and writes only inside its arrays whatever the ids hold. dispatch_check is the
+// optional value check.
 //
 // Index widths: N <= 2^31 - 1 (checked on the host), so pair and slot indices are 32-bit; offsets
 // into the (num_tiles, E) matrix are 64-bit. Shared-memory words pack (expert << 16 | index < 2^16),
-// so E <= 65535 and P <= 65536 (the host's shared-memory check is far stricter than that).
+// so NB <= 65535 and P <= 65536 (the host's shared-memory check is far stricter than that).
 
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr unsigned kNoExpert = 0xffffu;  // marks a lane past the last pair; never a valid expert
 
+// The bucket of an id: itself in [0, E), E (dropped) when negative, E - 1 when >= E (unvalidated).
 template <typename IdT>
 __device__ __forceinline__ unsigned clamp_expert(IdT v, int num_experts) {
     // Compare in IdT so an int64 id beyond the int32 range clamps instead of wrapping.
-    if (v < IdT(0)) return 0u;
+    if (v < IdT(0)) return unsigned(num_experts);
     if (v >= IdT(num_experts)) return unsigned(num_experts - 1);
     return unsigned(v);
 }
@@ -49,7 +55,8 @@ __device__ __forceinline__ unsigned lanemask_lt() {
 // the lanes holding the same expert find each other with match.any; the rank of a pair among the
 // warp's earlier pairs of its expert is the warp-private running count plus the matching lanes below
 // it, and the group's highest lane adds the group size to the running count (one writer per shared
-// word, so no atomics). Leaves per-warp totals in cnt[w*E + e] and (expert << 16 | rank) in packed.
+// word, so no atomics). Leaves per-warp totals in cnt[w*NB + e] (NB = E + 1 buckets, the last for the
+// dropped pairs) and (bucket << 16 | rank) in packed.
 template <int BLOCK, int ITEMS, typename IdT>
 __device__ __forceinline__ void rank_tile(const IdT* __restrict__ ids, unsigned n_pairs, int num_experts,
                                           unsigned tile_start, unsigned short* cnt, unsigned (&packed)[ITEMS]) {
@@ -62,7 +69,7 @@ __device__ __forceinline__ void rank_tile(const IdT* __restrict__ ids, unsigned 
         const unsigned p = seg + 32u * j + lane;
         packed[j] = p < n_pairs ? clamp_expert(ids[p], num_experts) : kNoExpert;
     }
-    unsigned short* row = cnt + warp * num_experts;
+    unsigned short* row = cnt + warp * (num_experts + 1);
     const unsigned lt = lanemask_lt();
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
@@ -128,39 +135,39 @@ __device__ __forceinline__ unsigned round_up16(unsigned bytes) {
 
 // Phases 1+2: per-(tile, expert) pair counts.
 //   ids          (N,) IdT: expert id of each (token, k) pair, pair p = token * K + k
-//   tile_counts  (num_tiles, E) int32 out, num_tiles = gridDim.x = ceil(N / (BLOCK * ITEMS))
-// Dynamic shared memory: (BLOCK / 32) * E uint16 warp-private counters.
+//   tile_counts  (num_tiles, NB) int32 out, num_tiles = gridDim.x = ceil(N / (BLOCK * ITEMS)), NB = E + 1
+// Dynamic shared memory: (BLOCK / 32) * NB uint16 warp-private counters.
 template <int BLOCK, int ITEMS, typename IdT>
 __global__ void __launch_bounds__(BLOCK)
     dispatch_count(const IdT* __restrict__ ids, int n_pairs, int num_experts, int* __restrict__ tile_counts) {
     constexpr int kWarps = BLOCK / 32;
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned short* cnt = reinterpret_cast<unsigned short*>(smem);
-    const int E = num_experts;
+    const int NB = num_experts + 1;
     unsigned* cnt_words = reinterpret_cast<unsigned*>(smem);
-    for (int i = threadIdx.x; i < kWarps * E / 2; i += BLOCK) cnt_words[i] = 0u;  // kWarps * E is even
+    for (int i = threadIdx.x; i < kWarps * NB / 2; i += BLOCK) cnt_words[i] = 0u;  // kWarps * NB is even
     __syncthreads();
 
     unsigned packed[ITEMS];
     const unsigned tile_start = blockIdx.x * unsigned(BLOCK * ITEMS);
-    rank_tile<BLOCK, ITEMS, IdT>(ids, unsigned(n_pairs), E, tile_start, cnt, packed);
+    rank_tile<BLOCK, ITEMS, IdT>(ids, unsigned(n_pairs), num_experts, tile_start, cnt, packed);
     __syncthreads();
 
-    int* out = tile_counts + (long long)blockIdx.x * E;
-    for (int e = threadIdx.x; e < E; e += BLOCK) {
+    int* out = tile_counts + (long long)blockIdx.x * NB;
+    for (int e = threadIdx.x; e < NB; e += BLOCK) {
         int total = 0;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) total += cnt[w * E + e];
+        for (int w = 0; w < kWarps; ++w) total += cnt[w * NB + e];
         out[e] = total;
     }
 }
 
 // Phase 2 over tiles: tile_counts[:, e] becomes its exclusive scan over tiles, in place, and
-// expert_totals[e] the column sum. Block b owns experts [8b, 8b + 8): thread (row group g, column c)
+// expert_totals[e] the column sum, for the NB = E + 1 buckets (num_experts here is NB). Block b owns experts [8b, 8b + 8): thread (row group g, column c)
 // sums a contiguous run of ceil(num_tiles / (BLOCK / 8)) rows, so a row is read as one 32-byte sector
 // and up to 128 row groups (BLOCK = 1024) walk the rows in parallel.
-//   tile_counts    (num_tiles, E) int32, in/out
-//   expert_totals  (E,) int32 out
+//   tile_counts    (num_tiles, NB) int32, in/out
+//   expert_totals  (NB,) int32 out
 template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
     dispatch_scan_tiles(int* __restrict__ tile_counts, int* __restrict__ expert_totals, int num_tiles, int num_experts) {
@@ -217,15 +224,15 @@ __global__ void __launch_bounds__(BLOCK)
 
 // Phase 3: every pair's final slot, written straight there.
 //   ids             (N,) IdT, N = num_tokens * top_k
-//   tile_counts     (num_tiles, E) int32: mode 1 raw per-tile counts, mode 2 their exclusive scan over
+//   tile_counts     (num_tiles, NB) int32: mode 1 raw per-tile counts, mode 2 their exclusive scan over
 //                   tiles (dispatch_scan_tiles); unread in mode 0 (a single tile), where the host
 //                   passes any valid pointer for it and for expert_totals
-//   expert_totals   (E,) int32: pairs per expert, read in mode 2 only
-//   expert_offsets  (E + 1,) int32 out (block 0 writes it)
-//   slot_token, slot_k  (N,) int32 out: token and k of each slot, in expert order
-//   pair_slot       (N,) int32 out: slot of each pair (the (L, K) array, flat)
-// Dynamic shared memory (bytes): 3 * 16-rounded 4E (totals, tile totals, per-expert base) plus
-// max(2 * (BLOCK / 32) * E, 4 * BLOCK * ITEMS): the warp counters, later reused as the staged tile.
+//   expert_totals   (NB,) int32: pairs per bucket, read in mode 2 only
+//   expert_offsets  (E + 1,) int32 out (block 0 writes it): the buckets' starts, the dropped one's last
+//   slot_token, slot_k  (N,) int32 out: token and k of each slot, in expert order, the dropped pairs last
+//   pair_slot       (N,) int32 out: slot of each pair (the (L, K) array, flat), -1 for a dropped pair
+// Dynamic shared memory (bytes): 3 * 16-rounded 4 NB (totals, tile totals, per-bucket base) plus
+// max(2 * (BLOCK / 32) * NB, 4 * BLOCK * ITEMS): the warp counters, later reused as the staged tile.
 // __launch_bounds__(BLOCK, 1024 / BLOCK) caps registers at 64: 1024 threads per SM, so two or more
 // blocks per SM overlap one tile's loads with another's ranking (ITEMS = 16 fits 64 without spills).
 template <int BLOCK, int ITEMS, typename IdT>
@@ -239,8 +246,8 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
     static_assert(kTile <= 65536, "tile-local indices are packed into 16 bits");
     __shared__ int warp_sums[2 * kWarps];
     extern __shared__ __align__(16) unsigned char smem[];
-    const int E = num_experts;
-    const unsigned e_bytes = round_up16(4u * E);
+    const int E = num_experts, NB = E + 1;
+    const unsigned e_bytes = round_up16(4u * NB);
     int* s_total = reinterpret_cast<int*>(smem);                  // expert totals -> expert offsets
     int* s_local = reinterpret_cast<int*>(smem + e_bytes);        // tile totals -> tile-local offsets
     int* s_base = reinterpret_cast<int*>(smem + 2 * e_bytes);     // tile base -> slot = s_base[e] + pos
@@ -249,7 +256,7 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     unsigned* cnt_words = reinterpret_cast<unsigned*>(cnt);
-    for (int i = threadIdx.x; i < kWarps * E / 2; i += BLOCK) cnt_words[i] = 0u;
+    for (int i = threadIdx.x; i < kWarps * NB / 2; i += BLOCK) cnt_words[i] = 0u;
     __syncthreads();
 
     unsigned packed[ITEMS];
@@ -258,14 +265,14 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
     rank_tile<BLOCK, ITEMS, IdT>(ids, unsigned(n_pairs), E, tile_start, cnt, packed);
     __syncthreads();
 
-    // Per expert: counters become exclusive over warps; the tile total; where the tile's run of this
-    // expert starts among the expert's slots (tile base), and the expert's total.
-    for (int e = threadIdx.x; e < E; e += BLOCK) {
+    // Per bucket: counters become exclusive over warps; the tile total; where the tile's run of this
+    // bucket starts among the bucket's slots (tile base), and the bucket's total.
+    for (int e = threadIdx.x; e < NB; e += BLOCK) {
         int run = 0;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
-            const int v = cnt[w * E + e];
-            cnt[w * E + e] = (unsigned short)run;
+            const int v = cnt[w * NB + e];
+            cnt[w * NB + e] = (unsigned short)run;
             run += v;
         }
         s_local[e] = run;
@@ -275,28 +282,27 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
             total = 0;
 #pragma unroll 8
             for (int t = 0; t < num_tiles; ++t) {  // num_tiles <= 32 in this mode (host plan)
-                const int v = tile_counts[(long long)t * E + e];
+                const int v = tile_counts[(long long)t * NB + e];
                 base += (t < int(tile)) ? v : 0;
                 total += v;
             }
         } else if (mode == 2) {
-            base = tile_counts[(long long)tile * E + e];
+            base = tile_counts[(long long)tile * NB + e];
             total = expert_totals[e];
         }
         s_base[e] = base;
         s_total[e] = total;
     }
     __syncthreads();
-    block_exclusive_scan2<BLOCK>(s_total, s_local, E, warp_sums);
+    block_exclusive_scan2<BLOCK>(s_total, s_local, NB, warp_sums);
 
-    for (int e = threadIdx.x; e < E; e += BLOCK) {
+    for (int e = threadIdx.x; e < NB; e += BLOCK) {
         const int lo = s_local[e];
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) cnt[w * E + e] = (unsigned short)(cnt[w * E + e] + lo);
+        for (int w = 0; w < kWarps; ++w) cnt[w * NB + e] = (unsigned short)(cnt[w * NB + e] + lo);
         s_base[e] = s_total[e] + s_base[e] - lo;
-        if (tile == 0) expert_offsets[e] = s_total[e];
+        if (tile == 0) expert_offsets[e] = s_total[e];  // e = E: the routed pairs' count
     }
-    if (tile == 0 && threadIdx.x == 0) expert_offsets[E] = n_pairs;
     __syncthreads();
 
     // Tile-local position of each pair: its (warp, expert) base plus its rank in the warp.
@@ -305,8 +311,9 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
     for (int j = 0; j < ITEMS; ++j) {
         const unsigned e = packed[j] >> 16;
         if (e != kNoExpert) {
-            const unsigned pos = cnt[warp * E + e] + (packed[j] & 0xffffu);
-            pair_slot[seg + 32u * j + lane] = s_base[e] + int(pos);  // coalesced: pairs in order
+            const unsigned pos = cnt[warp * NB + e] + (packed[j] & 0xffffu);
+            // coalesced: pairs in order; a dropped pair (bucket E) has a slot but no slot of its own to name
+            pair_slot[seg + 32u * j + lane] = e == unsigned(E) ? -1 : s_base[e] + int(pos);
             packed[j] = (e << 16) | pos;
         }
     }
@@ -333,8 +340,9 @@ __global__ void __launch_bounds__(BLOCK, 1024 / BLOCK)
 }
 
 // Optional value check (validate=True): for each block, the smallest flat index t*K + k of an invalid
-// pair among the rows it visits, or INT_MAX. Invalid: id outside [0, E), or an id equal to one at a
-// smaller k of the same row. The host reads the gridDim.x results.
+// pair among the rows it visits, or INT_MAX. Invalid: id outside [0, E) other than -1 (a dropped pair,
+// any number of them a row), or an id in [0, E) equal to one at a smaller k of the same row. The host
+// reads the gridDim.x results.
 //   ids             (L, K) IdT
 //   block_first_bad (gridDim.x,) int32 out
 // K <= 32: a row is a group of G = next_pow2(K) lanes, 32 / G rows per warp step; duplicates are found
@@ -369,7 +377,7 @@ __global__ void __launch_bounds__(256)
                                                     : (1ull << 63) | (unsigned long long)lane;
             const unsigned same = __match_any_sync(kFull, key);
             const bool dup = in_range && (same & lt) != 0u;
-            if (active && (!in_range || dup)) best = min(best, int(t * K + k));
+            if (active && ((!in_range && v != IdT(-1)) || dup)) best = min(best, int(t * K + k));
         }
     } else {
         unsigned char* seen = smem + warp * round_up16(unsigned(E));
@@ -387,7 +395,7 @@ __global__ void __launch_bounds__(256)
                 __syncwarp();
                 if (in_range && (same & lt) == 0u) seen[unsigned(v)] = 1;  // the group's lowest lane marks it
                 __syncwarp();
-                if (active && (!in_range || dup)) best = min(best, int(t * K + k));
+                if (active && ((!in_range && v != IdT(-1)) || dup)) best = min(best, int(t * K + k));
             }
             for (int k0 = 0; k0 < K; k0 += 32) {  // clear the row's marks (lanes store the same 0)
                 const int k = k0 + lane;

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
 }
 
 // out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation), negative entries skipped
-// (blazecore.sum_rows' padding; the layer's pair_slot has none): deterministic combine. src rows are
+// (a dropped pair's, or blazecore.sum_rows' padding): deterministic combine. src rows are
 // d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
 // acc_mode sums several launches' rows (the backward's slices of the reduction) in fp32 in acc, whose rows are
 // ldo apart as out's: 0 none (out = sum), 1 first (acc = sum), 2 next (acc += sum), 3 last (out = acc + sum).
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
     for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
     for (int k = 0; k < topk; ++k) {
       const long long s = __ldg(pair_slot + t * topk + k);
-      if (s < 0) continue;  // an empty entry (blazecore.sum_rows' padding) adds nothing
+      if (s < 0) continue;  // a dropped pair (or blazecore.sum_rows' padding) adds nothing
       const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
   }
 }
 
-// dgates[t, k] = sum_j part[s, j] (+ dy_t . b2[e] with a bias), s = pair_slot[t, k]. One warp per (t, k).
+// dgates[t, k] = sum_j part[s, j] (+ dy_t . b2[e] with a bias), s = pair_slot[t, k]; 0 for a dropped pair (s < 0).
+// One warp per (t, k).
 template <typename T>
 __global__ void __launch_bounds__(256) moe_dgates(const float* __restrict__ part, int nparts,
                                                    const int* __restrict__ pair_slot, const int* __restrict__ offsets,
@@ -96,6 +97,10 @@ __global__ void __launch_bounds__(256) moe_dgates(const float* __restrict__ part
   const int lane = threadIdx.x & 31;
   if (p >= num_pairs) return;
   const long long s = __ldg(pair_slot + p);
+  if (s < 0) {  // a dropped pair: no expert output, no gradient (warp-uniform)
+    if (lane == 0) dgates[p] = 0.f;
+    return;
+  }
   float v = 0.f;
   for (int j = lane; j < nparts; j += 32) v += part[s * nparts + j];
   if (b2) {
@@ -117,7 +122,12 @@ __global__ void __launch_bounds__(256) moe_dgates_small(const float* __restrict_
                                                          float* __restrict__ dgates) {
   const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= num_pairs) return;
-  const float* src = part + (long long)__ldg(pair_slot + p) * nparts;
+  const long long s = __ldg(pair_slot + p);
+  if (s < 0) {  // a dropped pair
+    dgates[p] = 0.f;
+    return;
+  }
+  const float* src = part + s * nparts;
   float a[DGATES_SMALL_PARTS];
 #pragma unroll
   for (int j = 0; j < DGATES_SMALL_PARTS; ++j) a[j] = j < nparts ? 0.f + __ldg(src + j) : 0.f;

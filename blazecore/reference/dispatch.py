@@ -11,7 +11,9 @@ its pairs ordered by token then k:
    plus the routed tokens above it in the same column of its tile (an exclusive cumulative sum down
    the column).
 
-Ids outside [0, E) are clamped into range (as the kernels do); a row holding one expert twice is
+An id of -1 (any negative id, as in the kernels) drops its pair: the dropped pairs take the slots after the
+last expert's, in pair order, ``expert_offsets[E]`` counts the routed pairs only and ``pair_slot`` is -1
+for a dropped pair. Ids >= E are clamped to E - 1 (as the kernels do); a row holding one expert twice is
 invalid and leaves some outputs at -1 (``blazecore.dispatch`` validates rows first by default).
 """
 
@@ -23,11 +25,15 @@ TILE_TOKENS = 1024
 
 
 def _token_expert_map(ids_tile: np.ndarray, num_experts: int) -> np.ndarray:
-    """Phase 1 for one tile: (rows, E) int32, entry k where the row's k-th pick is e, else -1."""
+    """Phase 1 for one tile: (rows, E) int32, entry k where the row's k-th pick is e, else -1 (dropped
+    pairs, id -1, appear nowhere)."""
     rows, top_k = ids_tile.shape
     route = np.full((rows, num_experts), -1, dtype=np.int32)
     t = np.repeat(np.arange(rows), top_k)
-    route[t, ids_tile.reshape(-1)] = np.tile(np.arange(top_k, dtype=np.int32), rows)
+    k = np.tile(np.arange(top_k, dtype=np.int32), rows)
+    e = ids_tile.reshape(-1)
+    keep = e >= 0
+    route[t[keep], e[keep]] = k[keep]
     return route
 
 
@@ -36,7 +42,8 @@ def build_dispatch(expert_ids: np.ndarray, num_experts: int, tile_tokens: int = 
 
     Returns (expert_offsets (E+1,), slot_token (L*K,), slot_k (L*K,), pair_slot (L, K)), all int32.
     """
-    ids = np.clip(np.asarray(expert_ids).astype(np.int64, copy=False), 0, num_experts - 1)
+    ids = np.asarray(expert_ids).astype(np.int64, copy=False)
+    ids = np.where(ids < 0, -1, np.minimum(ids, num_experts - 1))
     num_tokens, top_k = ids.shape
     n_pairs = num_tokens * top_k
     starts = list(range(0, num_tokens, tile_tokens))
@@ -67,4 +74,9 @@ def build_dispatch(expert_ids: np.ndarray, num_experts: int, tile_tokens: int = 
         slot_token[s] = t0 + rows
         slot_k[s] = k
         pair_slot[t0 + rows, k] = s
+    # The dropped pairs: the slots after the experts', in pair order (pair_slot stays -1).
+    dropped = np.flatnonzero(ids.reshape(-1) < 0)
+    s = int(expert_offsets[-1]) + np.arange(dropped.size)
+    slot_token[s] = dropped // max(top_k, 1)
+    slot_k[s] = dropped % max(top_k, 1)
     return expert_offsets.astype(np.int32), slot_token, slot_k, pair_slot

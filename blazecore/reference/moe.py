@@ -12,6 +12,8 @@ For token t and k in range(K), with e = expert_ids[t, k]:
     o = w2[e] @ hcur (+ b2[e])                        (d,)
     y[t] += gates[t, k] * o
 
+A pair with expert id -1 is dropped: it adds nothing to y and has no gradient (its dgates entry is 0).
+
 Activations: "swiglu" silu(a)*b, "geglu" gelu_tanh(a)*b, "gelu" gelu_tanh(z), "silu" silu(z),
 "relu2" max(z, 0)**2, with gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and gpt-oss's
 clamped SwiGLU "swiglu_oai": a' = min(a, 7), b' = clip(b, -7, 7), hcur = a' sigmoid(1.702 a') (b' + 1)
@@ -144,9 +146,11 @@ def _f64(a):
 
 
 def _ids(expert_ids, num_experts: int) -> np.ndarray:
+    """The ids as int64: each in [0, E), or -1 for a dropped pair (no expert: it adds nothing to y and gets no
+    gradient, dgates 0)."""
     ids = np.asarray(expert_ids).astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
-        raise ValueError(f"expert ids must lie in [0, {num_experts})")
+    if ids.size and (ids.min() < -1 or ids.max() >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}) or be -1 (a dropped pair)")
     return ids
 
 
@@ -206,7 +210,8 @@ def moe_forward_ref(x, w13, w2, gates, expert_ids, activation, b13=None, b2=None
     """The MoE layer's output y (L, d), float64.
 
     x (L, d); w13 (E, 2h, d) gated / (E, h, d) non-gated; w2 (E, d, h); gates (L, K);
-    expert_ids (L, K) int in [0, E); b13 (E, 2h or h) or None; b2 (E, d) or None. Any float dtype.
+    expert_ids (L, K) int in [0, E) or -1 (a dropped pair); b13 (E, 2h or h) or None; b2 (E, d) or None. Any float
+    dtype.
     """
     gated, x, w13, w2, gates, ids, b13, b2, activation, _ = _unpack(x, w13, w2, gates, expert_ids, activation, b13,
                                                                      b2)
