@@ -410,8 +410,9 @@ def test_gpu_millions_of_tokens(L, K, E, dtype):
 
 @pytest.mark.gpu
 def test_gpu_validate_false_clamps_and_stays_in_bounds():
-    """validate=False with ids outside [0, E): clamped (no fault, no write outside the outputs);
-    repeated ids within a row: placed like any other pair (a stable sort of the flat ids)."""
+    """validate=False with ids outside [0, E): a negative id drops its pair (listed after the experts' pairs,
+    pair_slot -1), one >= E is clamped to E - 1 (no fault, no write outside the outputs); repeated ids within a
+    row: placed like any other pair (a stable sort of the flat ids)."""
     import cupy
 
     rng = np.random.default_rng(3)
@@ -420,9 +421,11 @@ def test_gpu_validate_false_clamps_and_stays_in_bounds():
         if dtype == np.int64:
             ids[0, 0], ids[1, 1], ids[2, 2] = 2**40, -(2**40), 2**32 + 1
         d = build_dispatch(cupy.asarray(ids), 8, validate=False)
-        clamped = np.clip(ids, 0, 7)
+        bucket = np.where(ids < 0, 8, np.minimum(ids, 7))  # the dropped pairs as a ninth expert, listed last
+        offsets, slot_token, slot_k, pair_slot = argsort_dispatch(bucket, 9)
+        pair_slot = np.where(ids < 0, -1, pair_slot)
         names = ("expert_offsets", "slot_token", "slot_k", "pair_slot")
-        for name, want in zip(names, argsort_dispatch(clamped, 8), strict=True):
+        for name, want in zip(names, (offsets[:9], slot_token, slot_k, pair_slot), strict=True):
             assert_int_equal(getattr(d, name), want, name)
 
 
@@ -495,7 +498,7 @@ def test_gpu_side_stream_and_allocator():
     s.synchronize()
     p = D.plan(L * K, E)
     assert sorted(calls) == sorted([((E + 1,), "int32"), ((L * K,), "int32"), ((L * K,), "int32"),
-                                    ((L, K), "int32"), ((p.num_tiles * E + E,), "int32")])
+                                    ((L, K), "int32"), (((p.num_tiles + 1) * (E + 1),), "int32")])
     check_dispatch(d, ids, E, "gpu")
 
 
