@@ -668,18 +668,20 @@ def _combine(kern, rows, disp, K, out, d, stream, acc=None, mode=0):
     (_acc_mode)."""
     w = rows.shape[1]
     kern.fn(f"blz::moe_combine<{kern.ct}>")((out.shape[0],), (128,),
-                                            (rows, disp.pair_slot, np.int32(K), np.int32(w), out, np.int64(d),
-                                             _NULL if acc is None else acc, np.int32(mode)), stream=stream)
+                                            (rows, np.int64(rows.shape[0]), disp.pair_slot, np.int32(K), np.int32(w),
+                                             out, np.int64(d), _NULL if acc is None else acc, np.int32(mode)),
+                                            stream=stream)
 
 
 def sum_rows(rows, index, out, stream):
-    """out[i] = sum_j rows[index[i, j]] over the entries >= 0 (blazecore.sum_rows; moe_combine, one block a row):
-    rows (n, w) C-contiguous, index (m, J) int32, out (m, w) C-contiguous, m > 0."""
+    """out[i] = sum_j rows[index[i, j]] over the entries in [0, n) (blazecore.sum_rows; moe_combine, one block a
+    row): rows (n, w) C-contiguous, index (m, J) int32, out (m, w) C-contiguous, m > 0."""
     ct = _CTYPES[np.dtype(_array.logical_dtype(rows))]
     fn = _compile.get_function(_FILE_HELPERS, f"blz::moe_combine<{ct}>", module_names=_helper_names(ct))
     with _array.device_scope(rows.device.id):
-        fn((out.shape[0],), (128,), (rows, index, np.int32(index.shape[1]), np.int32(rows.shape[1]), out,
-                                     np.int64(rows.shape[1]), _NULL, np.int32(0)), stream=stream)
+        fn((out.shape[0],), (128,), (rows, np.int64(rows.shape[0]), index, np.int32(index.shape[1]),
+                                     np.int32(rows.shape[1]), out, np.int64(rows.shape[1]), _NULL, np.int32(0)),
+           stream=stream)
 
 
 def _tile_offsets(kern, disp, E, stream):

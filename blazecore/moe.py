@@ -490,8 +490,8 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
         stream: as in :func:`moe_forward`.
         validate: check that every entry is below n and raise ValueError if not (on the GPU a reduction and one
             host read, which synchronises the stream; pass False where the index is known to be in range). With
-            False, the GPU counts an entry >= n as -1 (a small pass over the index: the kernel never reads past
-            the rows); the CPU checks always.
+            False, the GPU kernel skips an entry >= n as it skips -1 (it never reads past the rows); the CPU checks
+            always.
 
     Returns:
         (m, w) in the rows' dtype, on the rows' device.
@@ -523,8 +523,6 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
             _moe_gpu.check_aligned({"rows": r, "out": res.view})
             _check_gpu_device({"out": res.view}, r.device.id)
             if m:
-                if not validate:
-                    ix = _entries_in_range(ix, n)
                 _moe_gpu.sum_rows(r, ix, res.view, _array.current_stream(stream))
         else:
             from .reference import moe as ref
@@ -532,11 +530,3 @@ def sum_rows(rows, index, *, out=None, stream=None, validate: bool = True):
             res.view[...] = ref.sum_rows_ref(r, ix)
         return _array.like_caller(res.user, rows)
 
-
-def _entries_in_range(ix, n: int):
-    """``ix`` (int32, NumPy or CuPy) with every entry >= n set to -1: an unvalidated index whose bad entries the
-    combine kernel then skips instead of reading past the n rows (no int32 entry reaches n >= 2**31)."""
-    if n > _validate.INT32_MAX:
-        return ix
-    xp = np if isinstance(ix, np.ndarray) else _array._cupy()
-    return xp.ascontiguousarray(xp.where(ix < n, ix, xp.int32(-1)).astype(np.int32, copy=False))

@@ -81,20 +81,6 @@ def test_sum_rows_refuses_bad_input_before_writing(backend):
     np.testing.assert_array_equal(to_numpy(out), 5.0)  # nothing written
 
 
-def test_unvalidated_entries_past_the_rows_count_as_padding():
-    """With validate=False the GPU path replaces every entry >= n by -1 before the kernel reads (never past the
-    rows); the replacement, on NumPy here (CuPy on the GPU), keeps the dtype and the in-range entries."""
-    from blazecore.moe import _entries_in_range
-
-    index = np.array([[0, 5, -1], [4, 9, 2]], np.int32)
-    got = _entries_in_range(index, 5)
-    assert got.dtype == np.int32 and got.flags.c_contiguous
-    np.testing.assert_array_equal(got, [[0, -1, -1], [4, -1, 2]])
-    assert _entries_in_range(index, 2**31) is index
-    rows = np.arange(10, dtype=np.float32).reshape(5, 2)
-    np.testing.assert_array_equal(blazecore.sum_rows(rows, got), _loop(rows, got))
-
-
 @pytest.mark.gpu
 def test_sum_rows_gpu_unvalidated_past_the_rows():
     import cupy
@@ -102,9 +88,11 @@ def test_sum_rows_gpu_unvalidated_past_the_rows():
     rows, index = _case()
     bad = index.copy()
     bad[0, 0] = rows.shape[0] + 1000  # unvalidated: skipped, not read
+    bad[1, 1] = rows.shape[0]  # the first row past the end
+    bad[2, 0] = 2**31 - 1
     got = to_numpy(blazecore.sum_rows(cupy.asarray(rows), cupy.asarray(bad), validate=False))
     fixed = bad.copy()
-    fixed[0, 0] = -1
+    fixed[0, 0] = fixed[1, 1] = fixed[2, 0] = -1
     np.testing.assert_array_equal(got, _loop(rows, fixed))
 
 

@@ -44,15 +44,17 @@ __global__ void __launch_bounds__(1024) moe_tile_offsets(const int* __restrict__
   if (threadIdx.x == 0) tile_offsets[num_experts] = carry;
 }
 
-// out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation), negative entries skipped
-// (a dropped pair's, or blazecore.sum_rows' padding): deterministic combine. src rows are
+// out[t, :d] = sum_k src[pair_slot[t, k], :d] in k order (fp32 accumulation) over the entries in [0, n_src), the
+// others skipped (a dropped pair's -1, blazecore.sum_rows' padding or an unvalidated entry past its n_src rows, so
+// the kernel never reads outside src): deterministic combine. src rows are
 // d elements long; out rows are ldo apart (ldo > d: the combine fills a column slice of a wider output).
 // acc_mode sums several launches' rows (the backward's slices of the reduction) in fp32 in acc, whose rows are
 // ldo apart as out's: 0 none (out = sum), 1 first (acc = sum), 2 next (acc += sum), 3 last (out = acc + sum).
 template <typename T>
-__global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, const int* __restrict__ pair_slot,
-                                                    int topk, int d, T* __restrict__ out, long long ldo,
-                                                    float* __restrict__ acc, int acc_mode) {
+__global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, long long n_src,
+                                                    const int* __restrict__ pair_slot, int topk, int d,
+                                                    T* __restrict__ out, long long ldo, float* __restrict__ acc,
+                                                    int acc_mode) {
   constexpr int EPC = 16 / sizeof(T);
   const long long t = blockIdx.x;
   for (int c = threadIdx.x; c * EPC < d; c += blockDim.x) {
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(128) moe_combine(const T* __restrict__ src, co
     for (int v = 0; v < EPC; ++v) accv[v] = 0.f;
     for (int k = 0; k < topk; ++k) {
       const long long s = __ldg(pair_slot + t * topk + k);
-      if (s < 0) continue;  // a dropped pair (or blazecore.sum_rows' padding) adds nothing
+      if (s < 0 || s >= n_src) continue;  // a dropped pair (or padding, or an entry past the rows) adds nothing
       const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + s * d) + c);
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
