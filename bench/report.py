@@ -274,6 +274,22 @@ def ep_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def ep_jax_table(doc: dict) -> str:
+    """bench_ep_jax.py: the JAX expert-parallel layer on N GPUs against the one-GPU layer at the same tokens a GPU."""
+    h = doc["header"]
+    out = [f"JAX expert parallelism (`ep_moe_layer` over a ({h.get('gpus')},) \"ep\" mesh, jitted loss and gradients "
+           f"of x and every parameter) against the one-GPU `moe_layer` at the same tokens a GPU, bf16 "
+           f"({_header_line(h)}, jax {h.get('jax')}); medians of the wall clock; rows: the most pairs a GPU's experts "
+           "receive against its static receive buffer:", "",
+           "| shape | tokens / GPU | GPUs | ep ms | one-GPU ms | per-GPU rate | rows received | buffer rows |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        out.append(f"| {r['shape']} | {_count(r['tokens_per_gpu'])} | {r['gpus']} | {r['ep_ms']:.2f} | "
+                   f"{r['one_ms']:.2f} | {r['per_gpu_rate']:.2f} | {r['routed_rows_per_gpu']} | "
+                   f"{r['buffer_rows_per_gpu']} |")
+    return "\n".join(out)
+
+
 def train_ep_table(paths: list) -> str:
     """``train`` logs of one model on 1 GPU and under torchrun with expert parallelism (``--ep``), from one
     machine: global tokens/s against the one-rank run, losses and peak memory per rank."""
@@ -376,7 +392,7 @@ def render(section: str = "") -> str:
         if (kind == SCALING) != (section == "scaling"):
             continue
         table = {"moe": moe_table, "gemm": gemm_table, "dispatch": dispatch_table, "hf": hf_table, "jax": jax_table,
-                 "scale": scale_table, "host": host_table, "ep": ep_table}.get(kind)
+                 "scale": scale_table, "host": host_table, "ep": ep_table, "ep_jax": ep_jax_table}.get(kind)
         if kind == SCALING:
             parts.append(f"`{path.relative_to(ROOT)}`\n\n{scaling_table(doc, path)}")
         elif table:
