@@ -5,7 +5,8 @@ For a shape (d, h, E, K) and a token count per GPU L, in bf16 with the router's 
 one jitted function returns the loss sum(y * dy) and its gradients with respect to x and every parameter:
 
 * ep: ``ep_moe_layer`` on a 1-D ("ep",) mesh of the N local GPUs, N * L tokens split over them, the experts split
-  E / N a GPU, the router replicated (rows and gates by ``ragged_all_to_all``, the exchange's GPU default);
+  E / N a GPU, the router replicated, with each exchange of --exchanges ("padded": ``all_to_all`` of L * K rows
+  per destination, the default; "ragged": ``ragged_all_to_all`` of the rows routed);
 * one: ``moe_layer`` on GPU 0 with L tokens, the rate every GPU of the ep run would have without an exchange.
 
 Each call is timed on the wall clock up to ``block_until_ready``, the two alternating after warm-up calls; a
@@ -15,7 +16,7 @@ each GPU keeps with the exchange (tokens per GPU are the same on both sides).
 The receive buffer of a device is static (N * L * K rows, the worst case); the JSON records the rows the routing
 actually sends (routed_rows_per_gpu: the largest GPU's received pairs, from the routing's counts) beside it.
 
-    python bench/bench_ep_jax.py [--shape olmoe] [--tokens 8k,32k] [--repeats 10]
+    python bench/bench_ep_jax.py [--shape olmoe] [--tokens 8k,32k] [--exchanges padded,ragged] [--repeats 10]
 
 Writes ep_jax_x<N>_<gpu>.json to bench/results/ (or --results-dir); without a GPU it prints that and exits 0.
 """
@@ -42,6 +43,7 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="olmoe", help=f"one of {', '.join(SHAPES)} or several, comma-separated")
     ap.add_argument("--tokens", default="8k,32k", help="tokens per GPU, comma-separated (k = 1024)")
+    ap.add_argument("--exchanges", default="padded,ragged", help="ep_moe_layer's exchange values, comma-separated")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--results-dir", type=pathlib.Path, default=None)
@@ -56,7 +58,7 @@ def _time(fn, *args) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def run_row(shape: str, L: int, warmup: int, repeats: int) -> dict:
+def run_row(shape: str, L: int, exchange: str, warmup: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -85,7 +87,7 @@ def run_row(shape: str, L: int, warmup: int, repeats: int) -> dict:
     dy_one = jax.device_put(jnp.asarray(dy[:L], bf), devs[0])
 
     def loss_ep(p, t, g):
-        y, _ = ep_moe_layer(p, t, mesh=mesh, top_k=K)
+        y, _ = ep_moe_layer(p, t, mesh=mesh, top_k=K, exchange=exchange)
         return jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32))
 
     def loss_one(p, t, g):
@@ -107,7 +109,8 @@ def run_row(shape: str, L: int, warmup: int, repeats: int) -> dict:
     ids = np.argsort(-logits, axis=1, kind="stable")[:, :K]
     received = np.bincount(ids.reshape(-1) // (E // n), minlength=n)
     ep_ms, one_ms = statistics.median(t_ep), statistics.median(t_one)
-    return {"shape": shape, "d": d, "h": h, "E": E, "K": K, "gpus": n, "tokens_per_gpu": L, "ep_ms": ep_ms,
+    return {"shape": shape, "d": d, "h": h, "E": E, "K": K, "gpus": n, "tokens_per_gpu": L, "exchange": exchange,
+            "ep_ms": ep_ms,
             "one_ms": one_ms, "per_gpu_rate": one_ms / ep_ms, "buffer_rows_per_gpu": n * L * K,
             "routed_rows_per_gpu": int(received.max()), "ep_ms_all": t_ep, "one_ms_all": t_one}
 
@@ -128,11 +131,12 @@ def main(argv=None) -> int:
     rows = []
     for shape in args.shape.split(","):
         for tok in args.tokens.split(","):
-            row = run_row(shape, common.parse_count(tok), args.warmup, args.repeats)
-            rows.append(row)
-            print(f"{shape} L={row['tokens_per_gpu']} gpus={row['gpus']}: ep {row['ep_ms']:.2f} ms, one GPU "
-                  f"{row['one_ms']:.2f} ms, per-GPU rate {row['per_gpu_rate']:.2f}; rows computed at most "
-                  f"{row['routed_rows_per_gpu']} of a {row['buffer_rows_per_gpu']}-row buffer", flush=True)
+            for exchange in args.exchanges.split(","):
+                row = run_row(shape, common.parse_count(tok), exchange, args.warmup, args.repeats)
+                rows.append(row)
+                print(f"{shape} L={row['tokens_per_gpu']} gpus={row['gpus']} {exchange}: ep {row['ep_ms']:.2f} ms, "
+                      f"one GPU {row['one_ms']:.2f} ms, per-GPU rate {row['per_gpu_rate']:.2f}; rows computed at "
+                      f"most {row['routed_rows_per_gpu']} of a {row['buffer_rows_per_gpu']}-row buffer", flush=True)
     path = common.write_json(f"ep_jax_x{len(jax.devices())}", header, rows, args.results_dir)
     print(f"wrote {path}")
     return 0

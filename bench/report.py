@@ -281,11 +281,12 @@ def ep_jax_table(doc: dict) -> str:
            f"of x and every parameter) against the one-GPU `moe_layer` at the same tokens a GPU, bf16 "
            f"({_header_line(h)}, jax {h.get('jax')}); medians of the wall clock; rows: the most pairs a GPU's experts "
            "receive against its static receive buffer:", "",
-           "| shape | tokens / GPU | GPUs | ep ms | one-GPU ms | per-GPU rate | rows received | buffer rows |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| shape | tokens / GPU | GPUs | exchange | ep ms | one-GPU ms | per-GPU rate | rows received "
+           "| buffer rows |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
-        out.append(f"| {r['shape']} | {_count(r['tokens_per_gpu'])} | {r['gpus']} | {r['ep_ms']:.2f} | "
-                   f"{r['one_ms']:.2f} | {r['per_gpu_rate']:.2f} | {r['routed_rows_per_gpu']} | "
+        out.append(f"| {r['shape']} | {_count(r['tokens_per_gpu'])} | {r['gpus']} | {r.get('exchange', 'ragged')} | "
+                   f"{r['ep_ms']:.2f} | {r['one_ms']:.2f} | {r['per_gpu_rate']:.2f} | {r['routed_rows_per_gpu']} | "
                    f"{r['buffer_rows_per_gpu']} |")
     return "\n".join(out)
 

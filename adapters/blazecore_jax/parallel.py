@@ -10,8 +10,10 @@ Per device, with L local tokens:
     1. route (``route_topk``), dispatch (``build_dispatch``: slots ordered by expert, hence by destination).
     2. the (E,) pair counts go through one ``all_to_all`` (each device learns what its experts receive).
     3. the send buffer x[slot_token] (L*K, d) is gathered straight from x, the gates alongside.
-    4. rows and gates are exchanged: ``ragged_all_to_all`` where the backend has it (GPUs), otherwise
-       (XLA:CPU has no ragged-all-to-all) ``all_to_all`` of a buffer padded to L*K rows per destination.
+    4. rows and gates are exchanged: ``all_to_all`` of a buffer padded to L*K rows per destination (the
+       default), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
+       ragged-all-to-all), which moves only the rows sent but ran 11-14x slower on 2 H200s with JAX 0.11
+       (``bench/results/ep_jax_x2_h200.json``).
     5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate; the
        rows of the buffer that hold nothing have the id -1 (a dropped pair), so no expert computes them.
     6. results go back the same way; y[t] = sum_k back[pair_slot[t, k]].
@@ -51,8 +53,9 @@ def _shard_map():
 
 
 def _default_exchange() -> str:
-    """"ragged" where XLA implements ragged-all-to-all (GPU), "padded" elsewhere (XLA:CPU does not)."""
-    return "padded" if jax.default_backend() == "cpu" else "ragged"
+    """"padded" on every backend: XLA:CPU has no ragged-all-to-all, and on GPUs XLA's ragged-all-to-all moved the
+    same rows 40-80 times slower per byte than ``all_to_all`` (NVIDIA H200, JAX 0.11; bench_ep_jax)."""
+    return "padded"
 
 
 def _exclusive_cumsum(a):
@@ -71,8 +74,9 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         x: (L, d) this device's tokens (float32, float16 or bfloat16, the parameters' dtype).
         axis: the mesh axis name of the experts; num_experts: E (= E_local * axis size).
         expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), the same on every device.
-        exchange: "ragged" (``ragged_all_to_all``), "padded" (``all_to_all`` of L*K rows per destination) or
-            None for the backend's default (ragged on GPUs, padded on the CPU).
+        exchange: "padded" (``all_to_all`` of L*K rows per destination), "ragged" (``ragged_all_to_all``, GPUs
+            only: the rows sent and no padding, but much slower with today's XLA) or None for the default
+            ("padded").
 
     Returns:
         (y (L, d), aux) with aux {"load_balancing_loss", "z_loss" (of this device's tokens), "router_logits"
