@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                   method="wall clock to block_until_ready of one jitted value_and_grad (x and every parameter), "
                          "ep and one-GPU calls alternating after warm-up; medians")
     common.print_header(header)
-    rows = []
+    rows, n_gpus = [], len(jax.devices())
     for shape in args.shape.split(","):
         for tok in args.tokens.split(","):
             for exchange in args.exchanges.split(","):
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                 print(f"{shape} L={row['tokens_per_gpu']} gpus={row['gpus']} {exchange}: ep {row['ep_ms']:.2f} ms, "
                       f"one GPU {row['one_ms']:.2f} ms, per-GPU rate {row['per_gpu_rate']:.2f}; rows computed at "
                       f"most {row['routed_rows_per_gpu']} of a {row['buffer_rows_per_gpu']}-row buffer", flush=True)
-    path = common.write_json(f"ep_jax_x{len(jax.devices())}", header, rows, args.results_dir)
+                path = common.write_json(f"ep_jax_x{n_gpus}", header, rows, args.results_dir)  # after every row
     print(f"wrote {path}")
     return 0
 
