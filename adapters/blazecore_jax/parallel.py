@@ -12,8 +12,8 @@ Per device, with L local tokens:
     3. the send buffer x[slot_token] (L*K, d) is gathered straight from x, the gates alongside.
     4. rows and gates are exchanged: ``all_to_all`` of a buffer padded to L*K rows per destination (the
        default), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
-       ragged-all-to-all), which moves only the rows sent but ran 11-14x slower on 2 H200s with JAX 0.11
-       (``bench/results/ep_jax_x2_h200.json``).
+       ragged-all-to-all), which moves only the rows sent but made the step 11-14x slower on 2 H200s with
+       JAX 0.11 (docs/expert_parallel.md, "JAX on 2 H200s").
     5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate; the
        rows of the buffer that hold nothing have the id -1 (a dropped pair), so no expert computes them.
     6. results go back the same way; y[t] = sum_k back[pair_slot[t, k]].
@@ -54,7 +54,7 @@ def _shard_map():
 
 def _default_exchange() -> str:
     """"padded" on every backend: XLA:CPU has no ragged-all-to-all, and on GPUs XLA's ragged-all-to-all moved the
-    same rows 40-80 times slower per byte than ``all_to_all`` (NVIDIA H200, JAX 0.11; bench_ep_jax)."""
+    same rows about 80 times slower per byte than ``all_to_all`` (NVIDIA H200, JAX 0.11)."""
     return "padded"
 
 
