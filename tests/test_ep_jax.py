@@ -30,11 +30,12 @@ def test_ep_on_four_host_devices():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_ep_jax_worker.py"), "padded", "ragged"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_ep_jax_worker.py"), "padded", "ragged", "gather"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     done = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
-    assert len(done) == 13 and sum("ragged" in line for line in done) == 4, proc.stdout
+    assert len(done) == 21, proc.stdout
+    assert sum("ragged" in line for line in done) == 4 and sum("gather" in line for line in done) == 8, proc.stdout
 
 
 def _check_matches_moe_layer(devices, exchange: str, L: int) -> None:
@@ -67,7 +68,7 @@ def _check_matches_moe_layer(devices, exchange: str, L: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "gather"])
 def test_ep_one_gpu_matches_moe_layer(exchange):
     """A one-device ("ep",) mesh on the GPU: both exchanges (ragged_all_to_all runs only on GPUs) against moe_layer,
     float32, output and every gradient."""
@@ -77,7 +78,7 @@ def test_ep_one_gpu_matches_moe_layer(exchange):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "gather"])
 def test_ep_all_gpus_matches_moe_layer(exchange):
     """With 2 or more GPUs: the experts over all of them (up to 8), both exchanges, float32, against moe_layer."""
     if jax.default_backend() != "gpu" or len(jax.devices()) < 2:

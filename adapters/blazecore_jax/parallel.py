@@ -28,6 +28,8 @@ collectives and gathers and from the ops' own VJPs; everything works under ``jit
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +41,9 @@ from blazecore.layer import check_weight_layout
 from . import ops
 from .layer import _BIASES, expert_biases
 
-__all__ = ["ep_moe_layer", "ep_moe_local", "ep_param_specs"]
+__all__ = ["EXCHANGES", "ep_moe_layer", "ep_moe_local", "ep_param_specs"]
+
+EXCHANGES = ("padded", "ragged", "gather")
 
 _PARAMS = ("router", "gate_up_proj", "down_proj")
 
@@ -83,8 +87,8 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         (L, E), "tokens_per_expert" (E,) int32 of this device's tokens}.
     """
     exchange = exchange or _default_exchange()
-    if exchange not in ("ragged", "padded"):
-        raise ValueError(f"exchange must be 'ragged' or 'padded', got {exchange!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}")
     router, w13, w2 = (params[k] for k in _PARAMS)
     ep = jax.lax.axis_size(axis)
     E, El, K = int(num_experts), int(w13.shape[0]), int(top_k)
@@ -98,6 +102,17 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     gates, ids = ops.route_topk(logits, K, score=score, renormalize=renormalize, expert_bias=expert_bias)
     disp = ops.build_dispatch(ids, E, validate=False)
     counts = disp.counts()  # (E,) pairs per global expert, slot order
+    aux = {
+        "load_balancing_loss": ops.load_balancing_loss(logits, ids),
+        "z_loss": ops.router_z_loss(logits),
+        "router_logits": logits,
+        "tokens_per_expert": counts,
+    }
+    b13, b2 = expert_biases(params)
+    if exchange == "gather":
+        ffn = functools.partial(ops.moe_ffn, activation=activation, checkpoint=checkpoint, chunks=chunks, b13=b13,
+                                b2=b2, weight_layout=weight_layout)
+        return _exchange_gather(x, gates, ids, w13, w2, ffn, axis=axis, ep=ep, El=El), aux
     slot_token, slot_k, pair_slot = disp.slot_token, disp.slot_k, disp.pair_slot
     # count exchange: recv_counts[s, j] = pairs device s sends to local expert j
     recv_counts = jax.lax.all_to_all(counts.reshape(ep, El), axis, 0, 0, tiled=True)
@@ -153,7 +168,6 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     # the rows past what was received are dropped pairs (id -1): no expert computes them, their outputs are 0 and
     # none of them is sent back
     recv_ids = jax.lax.stop_gradient(local_id.astype(jnp.int32).reshape(cap, 1))
-    b13, b2 = expert_biases(params)
     out = ops.moe_ffn(recv, w13, w2, recv_gates, recv_ids, activation=activation, checkpoint=checkpoint,
                       dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks, b13=b13, b2=b2,
                       weight_layout=weight_layout)
@@ -163,13 +177,52 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         back_rows = jnp.take(swap(out), pos, axis=0)
     # the K rows of a token summed in float32 and rounded once, as the single-device combine does
     y = jnp.take(back_rows, pair_slot, axis=0).astype(jnp.float32).sum(axis=1).astype(x.dtype)
-    aux = {
-        "load_balancing_loss": ops.load_balancing_loss(logits, ids),
-        "z_loss": ops.router_z_loss(logits),
-        "router_logits": logits,
-        "tokens_per_expert": counts,
-    }
     return y, aux
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_rows(x, axis: str):
+    """Every device's rows (ep * L, d), in device order: ``all_gather``. The backward sums each row's ep gradients
+    in float32 in device order and rounds once (an ``all_to_all`` and a local sum), where the transpose JAX would
+    take (a reduce-scatter) adds them in x's dtype."""
+    return jax.lax.all_gather(x, axis, tiled=True)
+
+
+def _gather_rows_fwd(x, axis):
+    return _gather_rows(x, axis), None
+
+
+def _gather_rows_bwd(axis, _, ct):
+    ep = jax.lax.axis_size(axis)
+    parts = jax.lax.all_to_all(ct.reshape((ep, -1) + ct.shape[1:]), axis, 0, 0, tiled=True)
+    return (parts.astype(jnp.float32).sum(axis=0).astype(ct.dtype),)
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _exchange_gather(x, gates, ids, w13, w2, ffn, *, axis: str, ep: int, El: int):
+    """``exchange="gather"``: every device runs its local experts on every device's tokens. x, the gates and the ids
+    are all-gathered over ``axis`` (ep * L rows); a token's pairs whose experts live elsewhere get the id -1
+    (dropped: no GPU kernel computes them), its local ones come first in each row, J = min(K, E_local) columns
+    kept; ``ffn`` sums each row's local experts; the (ep, L, d) results go back by ``all_to_all`` and each token's
+    ep partial sums are added in float32 in device order and rounded once. Static shapes of ep * L rows, K times
+    fewer than the pairs' buffers of "padded"."""
+    K = int(ids.shape[1])
+    J = min(K, El)
+    me = jax.lax.axis_index(axis)
+    rows = _gather_rows(x, axis)
+    all_ids = jax.lax.all_gather(ids, axis, tiled=True)
+    all_gates = jax.lax.all_gather(gates, axis, tiled=True)
+    local = all_ids - me * El
+    here = (local >= 0) & (local < El)
+    order = jnp.argsort(jnp.where(here, 0, 1), axis=1, stable=True)[:, :J]  # the local pairs first, in k order
+    local_ids = jnp.where(jnp.take_along_axis(here, order, axis=1), jnp.take_along_axis(local, order, axis=1), -1)
+    local_ids = jax.lax.stop_gradient(local_ids.astype(jnp.int32))
+    local_gates = jnp.take_along_axis(all_gates, order, axis=1)
+    out = ffn(rows, w13, w2, local_gates, local_ids, dispatch=ops.build_dispatch(local_ids, El, validate=False))
+    back = jax.lax.all_to_all(out.reshape((ep, -1) + out.shape[1:]), axis, 0, 0, tiled=True)
+    return back.astype(jnp.float32).sum(axis=0).astype(x.dtype)
 
 
 def ep_param_specs(axis: str = "ep", *, bias: bool = False) -> dict:
