@@ -6,7 +6,8 @@ one jitted function returns the loss sum(y * dy) and its gradients with respect 
 
 * ep: ``ep_moe_layer`` on a 1-D ("ep",) mesh of the N local GPUs, N * L tokens split over them, the experts split
   E / N a GPU, the router replicated, with each exchange of --exchanges ("padded": ``all_to_all`` of L * K rows
-  per destination, the default; "ragged": ``ragged_all_to_all`` of the rows routed);
+  per destination, the default; "ragged": ``ragged_all_to_all`` of the rows routed; "gather": every device's
+  tokens all-gathered, the local experts' partial sums returned by ``all_to_all``);
 * one: ``moe_layer`` on GPU 0 with L tokens, the rate every GPU of the ep run would have without an exchange.
 
 Each call is timed on the wall clock up to ``block_until_ready``, the two alternating after warm-up calls; a
@@ -16,7 +17,7 @@ each GPU keeps with the exchange (tokens per GPU are the same on both sides).
 The receive buffer of a device is static (N * L * K rows, the worst case); the JSON records the rows the routing
 actually sends (routed_rows_per_gpu: the largest GPU's received pairs, from the routing's counts) beside it.
 
-    python bench/bench_ep_jax.py [--shape olmoe] [--tokens 8k,32k] [--exchanges padded,ragged] [--repeats 10]
+    python bench/bench_ep_jax.py [--shape olmoe] [--tokens 8k,32k] [--exchanges padded,gather] [--repeats 10]
 
 Writes ep_jax_x<N>_<gpu>.json to bench/results/ (or --results-dir); without a GPU it prints that and exits 0.
 """
@@ -43,7 +44,7 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="olmoe", help=f"one of {', '.join(SHAPES)} or several, comma-separated")
     ap.add_argument("--tokens", default="8k,32k", help="tokens per GPU, comma-separated (k = 1024)")
-    ap.add_argument("--exchanges", default="padded,ragged", help="ep_moe_layer's exchange values, comma-separated")
+    ap.add_argument("--exchanges", default="padded,gather", help="ep_moe_layer's exchange values, comma-separated")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--results-dir", type=pathlib.Path, default=None)

@@ -5,9 +5,9 @@ The CPU checks run tests/_ep_jax_worker.py in a subprocess with 4 host devices
 equals the single-device moe_layer (output and every gradient) on 1-D and 2-D meshes, for skewed routings,
 gpt-oss's storage ("in_out" projections, interleaved rows, expert biases), an
 expert that gets nothing from some device, a device that sends nothing away, everything on one expert and
-K == E; bad input raises before anything runs. XLA:CPU has no ragged-all-to-all, so the CPU runs the padded
-exchange, and the ragged one over an emulation of ragged_all_to_all (its offsets checked); the GPU case runs both
-exchanges on a one-device mesh.
+K == E; bad input raises before anything runs. XLA:CPU has no ragged-all-to-all, so the CPU runs the padded and
+gather exchanges, and the ragged one over an emulation of ragged_all_to_all (its offsets checked); the GPU case runs
+the three exchanges on a one-device mesh.
 """
 
 from __future__ import annotations

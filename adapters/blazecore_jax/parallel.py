@@ -11,7 +11,7 @@ Per device, with L local tokens:
     2. the (E,) pair counts go through one ``all_to_all`` (each device learns what its experts receive).
     3. the send buffer x[slot_token] (L*K, d) is gathered straight from x, the gates alongside.
     4. rows and gates are exchanged: ``all_to_all`` of a buffer padded to L*K rows per destination (the
-       default), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
+       default, "padded"), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
        ragged-all-to-all), which moves only the rows sent but made the step 11-14x slower on 2 H200s with
        JAX 0.11 (docs/expert_parallel.md, "JAX on 2 H200s").
     5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate; the
@@ -24,6 +24,11 @@ after the experts' rows, the expert GEMMs never reach them and they add exactly 
 gradient, so the local experts cost the rows actually received, not the buffer's ep * L * K. No host
 synchronisation: the counts stay on the device. Gradients come from JAX's transposes of the
 collectives and gathers and from the ops' own VJPs; everything works under ``jit`` and ``grad``.
+
+``exchange="gather"`` replaces steps 2-6: every device all-gathers the tokens, gates and ids of the axis (ep * L
+rows), runs its local experts on them with the other devices' pairs dropped (id -1; a row keeps min(K, E_local)
+columns, its local pairs first), and the (ep, L, d) partial sums go back by one ``all_to_all``; y[t] adds its ep
+partial sums in float32 in device order. Its buffers hold ep * L rows, K times fewer than "padded"'s ep * L * K.
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         axis: the mesh axis name of the experts; num_experts: E (= E_local * axis size).
         expert_bias: optional (E,) selection-only bias (aux-loss-free balancing), the same on every device.
         exchange: "padded" (``all_to_all`` of L*K rows per destination), "ragged" (``ragged_all_to_all``, GPUs
-            only: the rows sent and no padding, but much slower with today's XLA) or None for the default
-            ("padded").
+            only: the rows sent and no padding, but much slower with today's XLA), "gather" (every device's
+            tokens all-gathered, the local experts' partial sums sent back: ep * L rows each way) or None for the
+            default ("padded").
 
     Returns:
         (y (L, d), aux) with aux {"load_balancing_loss", "z_loss" (of this device's tokens), "router_logits"
@@ -248,7 +254,7 @@ def ep_moe_layer(params: dict, x, *, mesh: Mesh, top_k: int, axis: str = "ep", a
         mesh: a ``jax.sharding.Mesh`` with an axis named ``axis``.
         top_k, activation, checkpoint, score, renormalize, expert_bias, chunks, weight_layout: as for
             ``moe_layer``.
-        exchange: "ragged", "padded" or None (see :func:`ep_moe_local`).
+        exchange: "padded", "ragged", "gather" or None (see :func:`ep_moe_local`).
 
     Returns:
         (y, aux): y with x's shape and dtype; aux {"load_balancing_loss", "z_loss"} averaged over the devices,
