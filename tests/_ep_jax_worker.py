@@ -145,6 +145,7 @@ def check_errors(mesh):
     one_bias = {**params, "down_proj_bias": jnp.zeros((4, 12), jnp.float32)}
     expect(ValueError, lambda: ep_moe_layer(one_bias, x, mesh=mesh, top_k=2), "both expert biases or neither")
     expect(ValueError, lambda: ep_moe_layer(params, x, mesh=mesh, top_k=2, weight_layout="t"), "weight_layout")
+    expect(ValueError, lambda: ep_moe_layer(params, x, mesh=mesh, top_k=2, exchange="tokens"), "exchange must be")
     print("OK errors", flush=True)
 
 
