@@ -41,18 +41,26 @@ def assert_int_equal(actual, expected, name: str) -> None:
                              f"got {a[idx]}, expected {e[idx]}")
 
 
-def check_dispatch(d: Dispatch, ids: np.ndarray, num_experts: int, backend: str) -> None:
-    """Every invariant of a dispatch, then equality with the argsort oracle."""
-    L, K = ids.shape
-    n, E = L * K, num_experts
+DISPATCH_FIELDS = ("expert_offsets", "slot_token", "slot_k", "pair_slot")
+
+
+def dispatch_fields(d: Dispatch, L: int, K: int, E: int, backend: str) -> tuple:
+    """The sizes, backend, shapes and dtypes of a dispatch checked; its four arrays as int64 NumPy."""
+    n = L * K
     assert (d.num_tokens, d.top_k, d.num_experts) == (L, K, E)
-    fields = {"expert_offsets": (E + 1,), "slot_token": (n,), "slot_k": (n,), "pair_slot": (L, K)}
-    for name, shape in fields.items():
+    for name, shape in zip(DISPATCH_FIELDS, ((E + 1,), (n,), (n,), (L, K)), strict=True):
         arr = getattr(d, name)
         assert isinstance(arr, np.ndarray) == (backend == "cpu"), f"{name}: wrong backend {type(arr)}"
         assert tuple(arr.shape) == shape, f"{name}: shape {tuple(arr.shape)}, expected {shape}"
         assert np.dtype(arr.dtype) == np.int32, f"{name}: dtype {arr.dtype}"
-    off, st_, sk, ps = (np.asarray(to_numpy(getattr(d, f)), dtype=np.int64) for f in fields)
+    return tuple(np.asarray(to_numpy(getattr(d, f)), dtype=np.int64) for f in DISPATCH_FIELDS)
+
+
+def check_dispatch(d: Dispatch, ids: np.ndarray, num_experts: int, backend: str) -> None:
+    """Every invariant of a dispatch, then equality with the argsort oracle."""
+    L, K = ids.shape
+    n, E = L * K, num_experts
+    off, st_, sk, ps = dispatch_fields(d, L, K, E, backend)
 
     # expert_offsets: exclusive scan of the per-expert counts
     assert off[0] == 0 and off[-1] == n
@@ -72,7 +80,7 @@ def check_dispatch(d: Dispatch, ids: np.ndarray, num_experts: int, backend: str)
         same_expert = slot_expert[1:] == slot_expert[:-1]
         assert (rising | ~same_expert).all(), "an expert's slots are not in (token, k) order"
     # the independent oracle
-    for name, got, want in zip(fields, (off, st_, sk, ps), argsort_dispatch(ids, E), strict=True):
+    for name, got, want in zip(DISPATCH_FIELDS, (off, st_, sk, ps), argsort_dispatch(ids, E), strict=True):
         assert_int_equal(got, want, name)
 
 

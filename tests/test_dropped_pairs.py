@@ -36,7 +36,7 @@ import pytest
 from conftest import assert_close, backends, to_backend, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_dispatch import ALL_PLANS, PLAN_SHAPES, assert_int_equal
+from test_dispatch import ALL_PLANS, DISPATCH_FIELDS, PLAN_SHAPES, assert_int_equal, dispatch_fields
 from test_moe import DTYPES, GRAD_KEYS, TOL, _bytes
 
 import blazecore
@@ -151,14 +151,7 @@ def check_dropped_dispatch(d, ids: np.ndarray, num_experts: int, backend: str) -
     n, E = L * K, num_experts
     routed = ids >= 0
     n_routed = int(routed.sum())
-    assert (d.num_tokens, d.top_k, d.num_experts) == (L, K, E)
-    fields = {"expert_offsets": (E + 1,), "slot_token": (n,), "slot_k": (n,), "pair_slot": (L, K)}
-    for name, shape in fields.items():
-        arr = getattr(d, name)
-        assert isinstance(arr, np.ndarray) == (backend == "cpu"), f"{name}: wrong backend {type(arr)}"
-        assert tuple(arr.shape) == shape, f"{name}: shape {tuple(arr.shape)}, expected {shape}"
-        assert np.dtype(arr.dtype) == np.int32, f"{name}: dtype {arr.dtype}"
-    off, st_, sk, ps = (np.asarray(to_numpy(getattr(d, f)), dtype=np.int64) for f in fields)
+    off, st_, sk, ps = dispatch_fields(d, L, K, E, backend)
 
     # offsets: an exclusive scan of the routed counts; offsets[E] is the number of routed pairs
     counts = np.bincount(ids[routed].astype(np.int64), minlength=E)
@@ -182,7 +175,7 @@ def check_dropped_dispatch(d, ids: np.ndarray, num_experts: int, backend: str) -
     assert_int_equal(ps[~routed], np.full(n - n_routed, -1), "pair_slot of dropped pairs")
     assert_int_equal(ps.reshape(-1)[head] if n_routed else head, np.arange(n_routed), "pair_slot of routed pairs")
     # the independent oracle
-    for name, want in zip(fields, _oracle(ids, E), strict=True):
+    for name, want in zip(DISPATCH_FIELDS, _oracle(ids, E), strict=True):
         assert_int_equal(getattr(d, name), want, f"{name} vs the argsort oracle")
 
 
