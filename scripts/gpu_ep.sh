@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a CUDA machine (one GPU or several): the expert-parallel GPU tests (ep_size 1 over NCCL gives MoELayer's bits;
 # with 2 or more GPUs one NCCL process per GPU against the full layer and FSDP2 in bf16 mixed precision; JAX's
-# ragged and padded exchanges; torchtitan's MoE with blazecore's experts when torchtitan is installed), the CPU
+# padded, ragged and gather exchanges; torchtitan's MoE with blazecore's experts when torchtitan is installed), the CPU
 # multi-process tests, bench/bench_ep.py's weak scaling over 1, 2, 4, .. GPUs for olmoe and qwen3 (one torchrun per
-# world size, the local experts on moe_ffn and on the grouped_mm MoE), and `train` on 1 GPU and under torchrun with
+# world size, the local experts on moe_ffn and on the grouped_mm MoE), bench/bench_ep_jax.py over all the GPUs (the
+# JAX layer's padded and gather exchanges against its one-GPU layer), and `train` on 1 GPU and under torchrun with
 # --ep on every power of two up to the GPU count, the global batch fixed, plus the largest count with the batch a
 # rank fixed. NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 # NVSHMEM_DISABLE_NVLS=1). The steps run through scripts/gpu_steps.sh (every step runs even when an earlier one
@@ -31,6 +32,9 @@ steps=(
 for shape in olmoe qwen3; do
   steps+=("bench-ep-$shape:3600:$PY bench/bench_ep.py --shape $shape --tokens-per-gpu 32k --name ep_$shape --results-dir $OUT${bench_args}")
 done
+if (( n >= 2 )); then
+  steps+=("bench-ep-jax:1200:env XLA_PYTHON_CLIENT_PREALLOCATE=false $PY bench/bench_ep_jax.py --shape olmoe,qwen3 --tokens 8k,32k --exchanges padded,gather --results-dir $OUT")
+fi
 # train: 128 sequences a step on one GPU; under torchrun the same global batch over r ranks (--ep r), and at the
 # largest r also 128 sequences a rank. --log-file, not --log: torchrun's own parser takes --log for its --log-dir.
 mkdir -p "$OUT/train_ep"
