@@ -30,9 +30,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import _common as common  # noqa: E402
+try:
+    from . import _common as common
+except ImportError:  # run as a script: bench/ is the script's directory, first on sys.path
+    import _common as common
 
 SHAPES = {  # name: (d, h, E, K)
     "olmoe": (2048, 1024, 64, 8),

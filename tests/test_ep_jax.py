@@ -85,3 +85,19 @@ def test_ep_all_gpus_matches_moe_layer(exchange):
         pytest.skip("needs JAX with 2 or more GPUs")
     n = min(8, 1 << (len(jax.devices()).bit_length() - 1))
     _check_matches_moe_layer(jax.devices()[:n], exchange, 96 * n)
+
+
+def test_bench_ep_jax_without_a_gpu(capsys):
+    """bench/bench_ep_jax.py: without a CUDA GPU it says so, times nothing and exits 0; its table reads the rows."""
+    from bench import bench_ep_jax, report
+
+    if bench_ep_jax.common.cuda_gpu_available()[0]:
+        pytest.skip("a GPU is present: the benchmark would run")
+    assert bench_ep_jax.main([]) == 0
+    assert "nothing to time" in capsys.readouterr().out
+    row = {"shape": "olmoe", "tokens_per_gpu": 8192, "gpus": 2, "exchange": "gather", "ep_ms": 10.0, "one_ms": 4.0,
+           "per_gpu_rate": 0.4, "routed_rows_per_gpu": 65000, "buffer_rows_per_gpu": 131072}
+    doc = {"header": {"gpu": "G", "date": "2026-01-01T00:00:00", "git_commit": "c", "gpus": 2, "jax": "0"},
+           "rows": [row]}
+    lines = [ln for ln in report.ep_jax_table(doc).splitlines() if ln.startswith("| olmoe")]
+    assert lines == ["| olmoe | 8k | 2 | gather | 10.00 | 4.00 | 0.40 | 65000 | 131072 |"]
