@@ -115,10 +115,15 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         "tokens_per_expert": counts,
     }
     b13, b2 = expert_biases(params)
+
+    def local_experts(rows, row_gates, row_ids):
+        """This device's experts on ``rows`` with local ids (-1: a pair that is not here), summed a row."""
+        return ops.moe_ffn(rows, w13, w2, row_gates, row_ids, activation=activation, checkpoint=checkpoint,
+                           dispatch=ops.build_dispatch(row_ids, El, validate=False), chunks=chunks, b13=b13, b2=b2,
+                           weight_layout=weight_layout)
+
     if exchange == "gather":
-        ffn = functools.partial(ops.moe_ffn, activation=activation, checkpoint=checkpoint, chunks=chunks, b13=b13,
-                                b2=b2, weight_layout=weight_layout)
-        return _exchange_gather(x, gates, ids, w13, w2, ffn, axis=axis, ep=ep, El=El), aux
+        return _exchange_gather(x, gates, ids, local_experts, axis=axis, ep=ep, El=El), aux
     slot_token, slot_k, pair_slot = disp.slot_token, disp.slot_k, disp.pair_slot
     # count exchange: recv_counts[s, j] = pairs device s sends to local expert j
     recv_counts = jax.lax.all_to_all(counts.reshape(ep, El), axis, 0, 0, tiled=True)
@@ -174,9 +179,7 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
     # the rows past what was received are dropped pairs (id -1): no expert computes them, their outputs are 0 and
     # none of them is sent back
     recv_ids = jax.lax.stop_gradient(local_id.astype(jnp.int32).reshape(cap, 1))
-    out = ops.moe_ffn(recv, w13, w2, recv_gates, recv_ids, activation=activation, checkpoint=checkpoint,
-                      dispatch=ops.build_dispatch(recv_ids, El, validate=False), chunks=chunks, b13=b13, b2=b2,
-                      weight_layout=weight_layout)
+    out = local_experts(recv, recv_gates, recv_ids)
     if exchange == "ragged":
         back_rows = back(out, n)
     else:
@@ -207,13 +210,13 @@ def _gather_rows_bwd(axis, _, ct):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def _exchange_gather(x, gates, ids, w13, w2, ffn, *, axis: str, ep: int, El: int):
+def _exchange_gather(x, gates, ids, local_experts, *, axis: str, ep: int, El: int):
     """``exchange="gather"``: every device runs its local experts on every device's tokens. x, the gates and the ids
     are all-gathered over ``axis`` (ep * L rows); a token's pairs whose experts live elsewhere get the id -1
     (dropped: no GPU kernel computes them), its local ones come first in each row, J = min(K, E_local) columns
-    kept; ``ffn`` sums each row's local experts; the (ep, L, d) results go back by ``all_to_all`` and each token's
-    ep partial sums are added in float32 in device order and rounded once. Static shapes of ep * L rows, K times
-    fewer than the pairs' buffers of "padded"."""
+    kept; ``local_experts`` sums each row's local experts; the (ep, L, d) results go back by ``all_to_all`` and
+    each token's ep partial sums are added in float32 in device order and rounded once. Static shapes of ep * L
+    rows, K times fewer than the pairs' buffers of "padded"."""
     K = int(ids.shape[1])
     J = min(K, El)
     me = jax.lax.axis_index(axis)
@@ -226,7 +229,7 @@ def _exchange_gather(x, gates, ids, w13, w2, ffn, *, axis: str, ep: int, El: int
     local_ids = jnp.where(jnp.take_along_axis(here, order, axis=1), jnp.take_along_axis(local, order, axis=1), -1)
     local_ids = jax.lax.stop_gradient(local_ids.astype(jnp.int32))
     local_gates = jnp.take_along_axis(all_gates, order, axis=1)
-    out = ffn(rows, w13, w2, local_gates, local_ids, dispatch=ops.build_dispatch(local_ids, El, validate=False))
+    out = local_experts(rows, local_gates, local_ids)
     back = jax.lax.all_to_all(out.reshape((ep, -1) + out.shape[1:]), axis, 0, 0, tiled=True)
     return back.astype(jnp.float32).sum(axis=0).astype(x.dtype)
 
