@@ -339,8 +339,32 @@ def current_stream(stream=None):
     if stream is None:
         return cp.cuda.get_current_stream()
     if isinstance(stream, int):
-        return cp.cuda.ExternalStream(stream)
+        return external_stream(stream)
     return stream
+
+
+class _StreamHandle:
+    """A raw CUDA stream handle offered through the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int | None = None):
+    """A CuPy Stream for a stream another library owns (a raw ``cudaStream_t`` handle), which it leaves alone:
+    ``cupy.cuda.Stream.from_external`` where CuPy has it (14 and later, which deprecate ``ExternalStream``), else
+    ``cupy.cuda.ExternalStream``. Made inside ``cupy.cuda.Device(device)`` where the handle is not the current
+    device's."""
+    cp = _cupy()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(handle))
+    return cp.cuda.ExternalStream(int(handle)) if device is None else cp.cuda.ExternalStream(int(handle), device)
 
 
 def stream_scope(stream=None, gpu: bool = True):

@@ -198,3 +198,46 @@ def test_torch_cuda_views_equal_dlpack_views():
     for t in (base.requires_grad_(), torch.empty(0, 3, device="cuda"), torch.randn(3),
               torch.randn(3, dtype=torch.complex64, device="cuda")):
         assert _cuda_view(t) is None
+
+
+def _fake_cupy(stream_cls, external):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cuda=SimpleNamespace(Stream=stream_cls, ExternalStream=external))
+
+
+def test_external_stream_goes_through_the_stream_protocol(monkeypatch):
+    """Where CuPy has Stream.from_external, a foreign handle is wrapped through ``__cuda_stream__`` (version 0, the
+    handle), never through the deprecated ExternalStream."""
+    from blazecore import _array
+
+    seen = []
+
+    class Stream:
+        @classmethod
+        def from_external(cls, obj):
+            seen.append(obj.__cuda_stream__())
+            return ("wrapped", obj)
+
+    def external(*args):
+        raise AssertionError(f"ExternalStream{args} called where Stream.from_external exists")
+
+    monkeypatch.setattr(_array, "_cupy", lambda: _fake_cupy(Stream, external))
+    assert _array.external_stream(1234, 0)[0] == "wrapped"
+    assert _array.current_stream(5678)[0] == "wrapped"  # a raw handle given to the core
+    assert seen == [(0, 1234), (0, 5678)]
+
+
+def test_external_stream_falls_back_to_external_stream(monkeypatch):
+    """An older CuPy (no Stream.from_external) gets ExternalStream, with the device where one is named."""
+    from blazecore import _array
+
+    calls = []
+
+    class Stream:
+        pass
+
+    monkeypatch.setattr(_array, "_cupy", lambda: _fake_cupy(Stream, lambda *a: calls.append(a) or "external"))
+    assert _array.external_stream(77, 1) == "external"
+    assert _array.external_stream(78) == "external"
+    assert calls == [(77, 1), (78,)]

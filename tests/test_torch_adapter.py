@@ -722,6 +722,39 @@ def test_gpu_runs_on_current_stream():
 
 
 @pytest.mark.gpu
+def test_gpu_stream_wrapper_leaves_the_torch_stream_alone():
+    """The CuPy stream made for torch's current stream runs CuPy work there, raises no deprecation warning, and
+    leaves the stream to torch: torch keeps using it after the wrapper is collected."""
+    import gc
+    import warnings
+
+    import cupy
+
+    from blazecore import _array
+
+    side = torch.cuda.Stream()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        s = _array.external_stream(side.cuda_stream, torch.cuda.current_device())
+    assert s.ptr == side.cuda_stream
+    with s:
+        a = cupy.arange(8, dtype=cupy.int32) * 2
+    s.synchronize()
+    del s
+    gc.collect()
+    with torch.cuda.stream(side):
+        t = torch.ones(1000, device="cuda") * 3
+    side.synchronize()
+    assert float(t.sum()) == 3000.0 and int(a.sum()) == 56
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    layer = MoELayer(128, 256, 4, 2, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer(x)[0].float().sum().backward()
+    assert not [w for w in caught if "ExternalStream" in str(w.message)]
+
+
+@pytest.mark.gpu
 def test_gpu_bad_device_errors():
     x, w13, w2, gates, ids, logits, _, _ = _inputs(8, 128, 256, 4, 2, torch.bfloat16, "cuda", requires_grad=False)
     with pytest.raises(ValueError, match="one device"):

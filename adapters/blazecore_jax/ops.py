@@ -176,7 +176,7 @@ def _scope(ctx, bufs):
 
     dev = int(first.__dlpack_device__()[1])
     handle = int(ctx.stream)
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(handle, dev):
+    with cupy.cuda.Device(dev), _array.external_stream(handle, dev):
         # allocations the core makes (workspaces, outputs it has no out= for) come from CuPy's pool
         # on this stream; XLA's own buffers are only ever written through views
         with blazecore.allocator(None):

@@ -126,7 +126,7 @@ def _core_call(device: torch.device):
 
     with torch.cuda.device(device):
         handle = torch.cuda.current_stream(device).cuda_stream
-        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(handle, device.index):
+        with cupy.cuda.Device(device.index), _array.external_stream(handle, device.index):
             with blazecore.allocator(_torch_allocator(device)), _array.intake(_cuda_view):
                 yield handle
 
