@@ -6,16 +6,17 @@ one jitted function returns the loss sum(y * dy) and its gradients with respect 
 
 * ep: ``ep_moe_layer`` on a 1-D ("ep",) mesh of the N local GPUs, N * L tokens split over them, the experts split
   E / N a GPU, the router replicated, with each exchange of --exchanges ("padded": ``all_to_all`` of L * K rows
-  per destination, the default; "ragged": ``ragged_all_to_all`` of the rows routed; "gather": every device's
-  tokens all-gathered, the local experts' partial sums returned by ``all_to_all``);
+  per destination; "ragged": ``ragged_all_to_all`` of the rows routed; "gather", the layer's default: every
+  device's tokens all-gathered, the local experts' partial sums returned by ``all_to_all``);
 * one: ``moe_layer`` on GPU 0 with L tokens, the rate every GPU of the ep run would have without an exchange.
 
 Each call is timed on the wall clock up to ``block_until_ready``, the two alternating after warm-up calls; a
 figure is the median of the repeats. per_gpu_rate = (one's ms) / (ep's ms): the share of the one-GPU rate that
 each GPU keeps with the exchange (tokens per GPU are the same on both sides).
 
-The receive buffer of a device is static (N * L * K rows, the worst case); the JSON records the rows the routing
-actually sends (routed_rows_per_gpu: the largest GPU's received pairs, from the routing's counts) beside it.
+A device's exchange buffer is static (buffer_rows_per_gpu: N * L * K pairs for "padded" and "ragged", the worst
+case; the N * L all-gathered tokens for "gather"); the JSON records the pairs the routing actually sends
+(routed_rows_per_gpu: the largest GPU's received pairs, from the routing's counts) beside it.
 
     python bench/bench_ep_jax.py [--shape olmoe] [--tokens 8k,32k] [--exchanges padded,gather] [--repeats 10]
 
@@ -113,8 +114,14 @@ def run_row(shape: str, L: int, exchange: str, warmup: int, repeats: int) -> dic
     ep_ms, one_ms = statistics.median(t_ep), statistics.median(t_one)
     return {"shape": shape, "d": d, "h": h, "E": E, "K": K, "gpus": n, "tokens_per_gpu": L, "exchange": exchange,
             "ep_ms": ep_ms,
-            "one_ms": one_ms, "per_gpu_rate": one_ms / ep_ms, "buffer_rows_per_gpu": n * L * K,
+            "one_ms": one_ms, "per_gpu_rate": one_ms / ep_ms, "buffer_rows_per_gpu": buffer_rows(exchange, n, L, K),
             "routed_rows_per_gpu": int(received.max()), "ep_ms_all": t_ep, "one_ms_all": t_one}
+
+
+def buffer_rows(exchange: str, gpus: int, tokens_per_gpu: int, K: int) -> int:
+    """The rows of a GPU's static exchange buffer: N * L * K pairs received for "padded" and "ragged", the N * L
+    all-gathered tokens (and the (N, L, d) partial sums sent back) for "gather"."""
+    return gpus * tokens_per_gpu * (1 if exchange == "gather" else K)
 
 
 def main(argv=None) -> int:

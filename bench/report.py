@@ -280,15 +280,24 @@ def ep_jax_table(doc: dict) -> str:
     out = [f"JAX expert parallelism (`ep_moe_layer` over a ({h.get('gpus')},) \"ep\" mesh, jitted loss and gradients "
            f"of x and every parameter) against the one-GPU `moe_layer` at the same tokens a GPU, bf16 "
            f"({_header_line(h)}, jax {h.get('jax')}); medians of the wall clock; rows: the most pairs a GPU's experts "
-           "receive against its static receive buffer:", "",
+           "receive against the rows of its static exchange buffer (padded: N * L * K pairs; gather: the N * L "
+           "all-gathered tokens):", "",
            "| shape | tokens / GPU | GPUs | exchange | ep ms | one-GPU ms | per-GPU rate | rows received "
            "| buffer rows |",
            "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         out.append(f"| {r['shape']} | {_count(r['tokens_per_gpu'])} | {r['gpus']} | {r.get('exchange', 'ragged')} | "
                    f"{r['ep_ms']:.2f} | {r['one_ms']:.2f} | {r['per_gpu_rate']:.2f} | {r['routed_rows_per_gpu']} | "
-                   f"{r['buffer_rows_per_gpu']} |")
+                   f"{_ep_jax_buffer_rows(r)} |")
     return "\n".join(out)
+
+
+def _ep_jax_buffer_rows(r: dict) -> int:
+    """A row's exchange buffer: the gather exchange's is its N * L all-gathered tokens (files before the field
+    followed the exchange recorded N * L * K for every row), the others' the recorded N * L * K pairs."""
+    if r.get("exchange") == "gather":
+        return r["gpus"] * r["tokens_per_gpu"]
+    return r["buffer_rows_per_gpu"]
 
 
 def train_ep_table(paths: list) -> str:

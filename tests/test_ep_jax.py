@@ -95,9 +95,13 @@ def test_bench_ep_jax_without_a_gpu(capsys):
         pytest.skip("a GPU is present: the benchmark would run")
     assert bench_ep_jax.main([]) == 0
     assert "nothing to time" in capsys.readouterr().out
-    row = {"shape": "olmoe", "tokens_per_gpu": 8192, "gpus": 2, "exchange": "gather", "ep_ms": 10.0, "one_ms": 4.0,
+    row = {"shape": "olmoe", "tokens_per_gpu": 8192, "gpus": 2, "exchange": "padded", "ep_ms": 10.0, "one_ms": 4.0,
            "per_gpu_rate": 0.4, "routed_rows_per_gpu": 65000, "buffer_rows_per_gpu": 131072}
+    # a gather row as files before the field followed the exchange recorded it: the table shows its N * L tokens
+    gather = dict(row, exchange="gather", ep_ms=5.0, per_gpu_rate=0.8)
     doc = {"header": {"gpu": "G", "date": "2026-01-01T00:00:00", "git_commit": "c", "gpus": 2, "jax": "0"},
-           "rows": [row]}
+           "rows": [row, gather]}
     lines = [ln for ln in report.ep_jax_table(doc).splitlines() if ln.startswith("| olmoe")]
-    assert lines == ["| olmoe | 8k | 2 | gather | 10.00 | 4.00 | 0.40 | 65000 | 131072 |"]
+    assert lines == ["| olmoe | 8k | 2 | padded | 10.00 | 4.00 | 0.40 | 65000 | 131072 |",
+                     "| olmoe | 8k | 2 | gather | 5.00 | 4.00 | 0.80 | 65000 | 16384 |"]
+    assert [bench_ep_jax.buffer_rows(x, 2, 8192, 8) for x in ("padded", "ragged", "gather")] == [131072, 131072, 16384]

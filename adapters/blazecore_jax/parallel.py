@@ -10,8 +10,8 @@ Per device, with L local tokens:
     1. route (``route_topk``), dispatch (``build_dispatch``: slots ordered by expert, hence by destination).
     2. the (E,) pair counts go through one ``all_to_all`` (each device learns what its experts receive).
     3. the send buffer x[slot_token] (L*K, d) is gathered straight from x, the gates alongside.
-    4. rows and gates are exchanged: ``all_to_all`` of a buffer padded to L*K rows per destination (the
-       default, "padded"), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
+    4. rows and gates are exchanged: ``all_to_all`` of a buffer padded to L*K rows per destination
+       (``exchange="padded"``), or with ``exchange="ragged"`` ``ragged_all_to_all`` (GPUs only: XLA:CPU has no
        ragged-all-to-all), which moves only the rows sent but made the step 11-14x slower on 2 H200s with
        JAX 0.11 (docs/expert_parallel.md, "JAX on 2 H200s").
     5. the local experts run ``moe_ffn`` on the received rows as tokens with K = 1 and their own gate; the
@@ -25,10 +25,11 @@ gradient, so the local experts cost the rows actually received, not the buffer's
 synchronisation: the counts stay on the device. Gradients come from JAX's transposes of the
 collectives and gathers and from the ops' own VJPs; everything works under ``jit`` and ``grad``.
 
-``exchange="gather"`` replaces steps 2-6: every device all-gathers the tokens, gates and ids of the axis (ep * L
-rows), runs its local experts on them with the other devices' pairs dropped (id -1; a row keeps min(K, E_local)
-columns, its local pairs first), and the (ep, L, d) partial sums go back by one ``all_to_all``; y[t] adds its ep
-partial sums in float32 in device order. Its buffers hold ep * L rows, K times fewer than "padded"'s ep * L * K.
+``exchange="gather"`` (the default) replaces steps 2-6: every device all-gathers the tokens, gates and ids of the
+axis (ep * L rows), runs its local experts on them with the other devices' pairs dropped (id -1; a row keeps
+min(K, E_local) columns, its local pairs first), and the (ep, L, d) partial sums go back by one ``all_to_all``;
+y[t] adds its ep partial sums in float32 in device order. Its buffers hold ep * L rows, K times fewer than
+"padded"'s ep * L * K, and on 4 H100s its step took 0.39-0.62 of "padded"'s (docs/expert_parallel.md).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def _shard_map():
 
 
 def _default_exchange() -> str:
-    """"padded" on every backend: XLA:CPU has no ragged-all-to-all, and on GPUs XLA's ragged-all-to-all moved the
-    same rows about 80 times slower per byte than ``all_to_all`` (NVIDIA H200, JAX 0.11)."""
-    return "padded"
+    """"gather" on every backend: it moves K times fewer rows than "padded" with static shapes (on 4 H100s, JAX
+    0.11, olmoe and qwen3 at 8k and 32k tokens a GPU, its step took 0.39-0.62 of "padded"'s); XLA:CPU has no
+    ragged-all-to-all, and on GPUs XLA's moved the same rows about 80 times slower per byte than ``all_to_all``
+    (NVIDIA H200, JAX 0.11)."""
+    return "gather"
 
 
 def _exclusive_cumsum(a):
@@ -86,7 +89,7 @@ def ep_moe_local(params: dict, x, *, axis: str, num_experts: int, top_k: int, ac
         exchange: "padded" (``all_to_all`` of L*K rows per destination), "ragged" (``ragged_all_to_all``, GPUs
             only: the rows sent and no padding, but much slower with today's XLA), "gather" (every device's
             tokens all-gathered, the local experts' partial sums sent back: ep * L rows each way) or None for the
-            default ("padded").
+            default ("gather").
 
     Returns:
         (y (L, d), aux) with aux {"load_balancing_loss", "z_loss" (of this device's tokens), "router_logits"
