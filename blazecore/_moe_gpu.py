@@ -96,11 +96,14 @@ WGRAD_CLUSTER = 2
 # (moe_dhcur_sm90: the consumers leave dh' in shared memory and go on with the next tile while the producer warpgroup
 # does the epilogue between its copies; weights by TMA only) or "fused" (moe_gemm_sm90's EPI_DHCUR: the consumers do
 # it after their mainloop). "overlap" is the default: on an H100 it was as fast as "fused" on olmoe and qwen3 and faster
-# on fine (about 12%) and mixtral (3-6%), see docs/sm90_kernels.md. BLAZECORE_SM90_DHCUR overrides DHCUR.
-DHCUR_FORMS = ("overlap", "fused")
+# on fine (about 12%) and mixtral (3-6%), see docs/sm90_kernels.md. "wide": the overlap kernel with a fourth
+# warpgroup (512 threads: two copy warps, six epilogue warps, the consumers' A from registers), same bits as "overlap".
+# BLAZECORE_SM90_DHCUR overrides DHCUR.
+DHCUR_FORMS = ("overlap", "fused", "wide")
 DHCUR = "overlap"
 DGATES_SMALL_PARTS = 8  # moe_dgates_small's most partials a slot (its DGATES_SMALL_PARTS)
 STAGES_DH90 = 3  # moe_dhcur_sm90's ring: 3 stages of 48 KB beside dh' and the z rows, see sm90::DhCfg
+DH_EPI_WARPS = {"overlap": 3, "wide": 6}  # moe_dhcur_sm90's EW: its epilogue warps (384 / 512 threads)
 STAGE_ROWS_MODES = ("auto", "always", "never")
 STAGE_ROWS = "auto"
 STAGE_MIN_TILES = 32
@@ -261,15 +264,18 @@ def _wgrad_names90(ct):
                                for cluster in WGRAD_CLUSTERS))
 
 
-def _dh90_name(ct, act, t=False):
-    """The sm_90a dh' kernel with the epilogue on the producer warpgroup; ``t``: w2 stored "in_out" (B K-major)."""
-    return f"blz::moe_dhcur_sm90<{ct}, {act}, {STAGES_DH90}{', true' if t else ''}>"
+def _dh90_name(ct, act, t=False, ew=3):
+    """The sm_90a dh' kernel with the epilogue on the producer warpgroup; ``t``: w2 stored "in_out" (B K-major);
+    ``ew``: its epilogue warps (3, or 6 for the "wide" form)."""
+    if ew == 3:
+        return f"blz::moe_dhcur_sm90<{ct}, {act}, {STAGES_DH90}{', true' if t else ''}>"
+    return f"blz::moe_dhcur_sm90<{ct}, {act}, {STAGES_DH90}, {'true' if t else 'false'}, {ew}>"
 
 
-def _dh_names90(ct):
+def _dh_names90(ct, ew=3):
     """The sm_90a dh' kernels with the epilogue on the producer warpgroup (one per activation, each gated one also
-    interleaved, and weight layout): one module of _FILE_DH90."""
-    return tuple(_dh90_name(ct, a, t) for a in _act_codes() for t in (False, True))
+    interleaved, and weight layout) of one form (``ew`` epilogue warps): one module of _FILE_DH90."""
+    return tuple(_dh90_name(ct, a, t, ew) for a in _act_codes() for t in (False, True))
 
 
 def _smem_dh90(stages=STAGES_DH90):
@@ -344,7 +350,8 @@ _compile.register_kernels(
               for n in _module_names90(ct, a, t)]
 )
 _compile.register_kernels(_FILE_WGRAD90, [n for ct in ("__nv_bfloat16", "__half") for n in _wgrad_names90(ct)])
-_compile.register_kernels(_FILE_DH90, [n for ct in ("__nv_bfloat16", "__half") for n in _dh_names90(ct)])
+_compile.register_kernels(_FILE_DH90, [n for ct in ("__nv_bfloat16", "__half") for ew in DH_EPI_WARPS.values()
+                                      for n in _dh_names90(ct, ew)])
 _compile.register_kernels(_FILE_HELPERS, list(dict.fromkeys(n for ct in _CTYPES.values() for n in _helper_names(ct))))
 
 _compile.register_kernels(
@@ -413,9 +420,10 @@ class _Kernels:
 
     def _variant(self, which, carry_in, b_load, cluster) -> KernelVariant:
         v = self.variants[which]
-        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur == "overlap":
-            return KernelVariant(_FILE_DH90, _dh90_name(self.ct, self.act, self.t), NTHREADS90, BM, BN90, STAGES_DH90,
-                                 _smem_dh90())
+        if self.sm90 and which == "dhcur" and (b_load or self.b_load) == "tma" and self.dhcur in DH_EPI_WARPS:
+            ew = DH_EPI_WARPS[self.dhcur]
+            return KernelVariant(_FILE_DH90, _dh90_name(self.ct, self.act, self.t, ew),
+                                 NTHREADS90 if ew == 3 else NTHREADS90 + 128, BM, BN90, STAGES_DH90, _smem_dh90())
         if self.sm90:
             a_tiles = _a_tiles90(self.act, which == "gemm2z")
             file = _FILE90 if which in _M_GROUPED else _FILE_WGRAD90
@@ -431,7 +439,7 @@ class _Kernels:
         if kv.file == _FILE_WGRAD90:
             return _wgrad_names90(self.ct)
         if kv.file == _FILE_DH90:
-            return _dh_names90(self.ct)
+            return _dh_names90(self.ct, DH_EPI_WARPS[self.dhcur])
         return self.names
 
     def gemm(self, which, carry_in=False, b_load=None, cluster=1):

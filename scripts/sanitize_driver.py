@@ -234,6 +234,16 @@ def moe_sm90_dh():
 
 
 @case
+def moe_sm90_dh_wide():
+    # the same on its wide form (DHCUR "wide": 512 threads, the consumers' A from registers)
+    os.environ["BLAZECORE_SM90_DHCUR"] = "wide"
+    try:
+        _layer(True, (BF16,))
+    finally:
+        os.environ.pop("BLAZECORE_SM90_DHCUR")
+
+
+@case
 def moe_mma():
     _layer(False, (np.float32, BF16, np.float16))
 
@@ -261,7 +271,7 @@ def moe_layouts():
 def moe_layouts_sm90():
     # the same on the sm_90a kernels: interleaved gate/up rows' gemm1 and dh' epilogues, "in_out" B loads; dh' on the
     # producer-epilogue kernel (the default) and fused into the GEMM
-    for dh in ("overlap", "fused"):
+    for dh in ("overlap", "fused", "wide"):
         os.environ["BLAZECORE_SM90_DHCUR"] = dh
         try:
             for layout, interleaved in (("in_out", True), ("out_in", True), ("in_out", False)):

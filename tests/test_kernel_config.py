@@ -175,10 +175,12 @@ def test_every_launchable_kernel_is_registered(arch, monkeypatch):
 
 def test_dh_epilogue_form_setting(monkeypatch):
     """BLAZECORE_SM90_DHCUR picks dh's kernel on sm_90a: "overlap" the producer-epilogue kernel (moe_dhcur_sm90, only
-    with the weights by TMA: cp.async weights keep the fused kernel), "fused" moe_gemm_sm90's EPI_DHCUR; the other
+    with the weights by TMA: cp.async weights keep the fused kernel), "wide" its 512-thread form (likewise), "fused"
+    moe_gemm_sm90's EPI_DHCUR; the other
     roles never change; anything else is a ValueError naming the variable before any kernel is chosen."""
     with _array.dry_run("sm_90a"):
         for form, b_load, want in (("overlap", "tma", _moe_gpu._FILE_DH90), ("overlap", "cp_async", _moe_gpu._FILE90),
+                                   ("wide", "tma", _moe_gpu._FILE_DH90), ("wide", "cp_async", _moe_gpu._FILE90),
                                    ("fused", "tma", _moe_gpu._FILE90), ("fused", "cp_async", _moe_gpu._FILE90)):
             monkeypatch.setenv("BLAZECORE_SM90_DHCUR", form)
             kern = _moe_gpu._Kernels(blazecore.BF16, "swiglu")
@@ -187,6 +189,11 @@ def test_dh_epilogue_form_setting(monkeypatch):
             assert kern.variant("dx", b_load=b_load).file == _moe_gpu._FILE90
             if want == _moe_gpu._FILE_DH90:
                 assert (kv.stages, kv.smem, kv.bn) == (_moe_gpu.STAGES_DH90, _moe_gpu._smem_dh90(), _moe_gpu.BN90)
+                # the wide form: a fourth warpgroup, its own module (the kernels with six epilogue warps)
+                wide = form == "wide"
+                assert kv.threads == (512 if wide else 384) and kv.name.endswith(", 6>") == wide
+                names = kern.module_names(kv)
+                assert kv.name in names and all(n.endswith(", 6>") == wide for n in names), names
         monkeypatch.setenv("BLAZECORE_SM90_DHCUR", "async")
         with pytest.raises(ValueError, match="BLAZECORE_SM90_DHCUR"):
             _moe_gpu._Kernels(blazecore.BF16, "swiglu")

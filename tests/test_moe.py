@@ -513,10 +513,11 @@ def test_sm90_b_load_paths_bit_identical_gpu(case, activation, monkeypatch):
                                   if c.name in ("L63", "odd", "empty_experts", "one_expert", "tiles", "wide_d",
                                                 "wide_h")])
 def test_sm90_dhcur_forms_gpu(case, activation, monkeypatch):
-    """dh' with its epilogue on the producer warpgroup (DHCUR "overlap", moe_dhcur_sm90) and in the consumers
-    ("fused"): each matches the float64 reference (bf16, both policies, bias on) and gives the same bits run to run.
-    (The overlap form rounds dh' to bf16 before the activation backward and sums the dgates partials in another
-    order, so the two forms' bits may differ.)"""
+    """dh' with its epilogue on the producer warpgroup (DHCUR "overlap", moe_dhcur_sm90; "wide", its 512-thread form)
+    and in the consumers ("fused"): each matches the float64 reference (bf16, both policies, bias on) and gives the
+    same bits run to run; "wide" gives the bits of "overlap" (the same arithmetic a row, the same dh'). (The overlap
+    forms round dh' to bf16 before the activation backward and sum the dgates partials in another order, so their
+    bits and the fused form's may differ.)"""
     from blazecore import _compile, _moe_gpu
 
     monkeypatch.delenv("BLAZECORE_SM90_B_LOAD", raising=False)
@@ -524,16 +525,20 @@ def test_sm90_dhcur_forms_gpu(case, activation, monkeypatch):
     dev = _on(inp, "gpu")
     exp = _reference(inp, activation, "gpu")
     for checkpoint in ("ab", "none"):
+        bits = {}
         for form in _moe_gpu.DHCUR_FORMS:
             monkeypatch.setenv("BLAZECORE_SM90_DHCUR", form)
             if _compile.device_arch() == "sm_90a":
-                want = _moe_gpu._FILE_DH90 if form == "overlap" else _moe_gpu._FILE90
+                want = _moe_gpu._FILE_DH90 if form in _moe_gpu.DH_EPI_WARPS else _moe_gpu._FILE90
                 assert _moe_gpu._Kernels(BF16, activation).variant("dhcur").file == want
             y, _, grads = _run(dev, activation, checkpoint)
             _check_against(y, grads, inp, exp, TOL[BF16], f"{form} {checkpoint} ")
             y2, _, grads2 = _run(dev, activation, checkpoint)
             for key in GRAD_KEYS:
                 assert _bytes(getattr(grads, key)) == _bytes(getattr(grads2, key)), f"{form} {checkpoint} {key} rerun"
+            bits[form] = [_bytes(getattr(grads, key)) for key in GRAD_KEYS]
+        for key, a, b in zip(GRAD_KEYS, bits["overlap"], bits["wide"], strict=True):
+            assert a == b, f"wide against overlap, {checkpoint} {key}"
 
 
 @pytest.mark.gpu

@@ -35,6 +35,18 @@
 // T. Every element is computed by one thread in a fixed order, so the results are the same run to run.
 //
 // Shared memory: sm90::DhCfg<STAGES> (sm90_common.cuh); the ring is shorter than moe_gemm_sm90's (dh' takes 64 KB).
+//
+// EW = 6 (the "wide" form): a fourth warpgroup (512 threads), so that two warps copy (each 64 of a k-tile's 128 A
+// rows) and six do the epilogue (warp w of 0..5: rows w + 6 j, one row a step with the next one's z in flight: the 16
+// z slots shared out as 6 x 2). In a 512-thread CTA ptxas does not compile wgmma m64n256k16 (it checks the
+// instruction's ~154 registers against the 128 a thread has at entry), so the consumers issue each k16 step as two
+// m64n128k16 on the B tile's two column halves with A from registers: each warp reads its 16 rows x 16 k by
+// ldmatrix.x4 (A is read from shared memory once, as by the m64n256 form). One register set of A: a k-tile's wgmmas
+// finish before the next k-tile is read (the other consumer warpgroup's keep the tensor cores busy meanwhile), and
+// every consumer thread releases the stage it read (the empty barriers count 256 arrivals). setmaxnreg, at the head
+// of each role's branch: the consumers 176 registers, the others 80 (256 x 176 + 256 x 80 = 65536); ptxas allocates
+// each role's code under its own count. The two accumulator halves keep the m64n256 fragment's layout, so dh' and
+// every epilogue result have the same bits as the EW = 3 form.
 #include "sm90_common.cuh"
 
 namespace blz {
@@ -45,8 +57,9 @@ namespace blz {
 // K-major, "in_out"): 4-D (Kd, N, 1, E), box (64, 128, 1, 1), moe_gemm_sm90's K-major map.
 // Launch: any grid (persistent); block = sm90::THREADS, dynamic shared memory = sm90::DhCfg<STAGES>::SMEM_BYTES.
 // Preconditions: Kd > 0; lda, ldaux, ldo, ldo2 and N multiples of 8 (16-byte rows), as for moe_gemm_sm90.
-template <typename T, int ACT_ID, int STAGES, bool B_KMAJOR = false>
-__global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupedArgs<T> p,
+template <typename T, int ACT_ID, int STAGES, bool B_KMAJOR = false, int EW = 3>
+__global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128, 1)
+    moe_dhcur_sm90(const MGroupedArgs<T> p,
                                                                     const __grid_constant__ sm90::TmaMap tmap_b) {
   const T* __restrict__ A = p.A;
   const int* __restrict__ slot_token = p.slot_token;
@@ -65,15 +78,21 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   constexpr int ACT = act_base(ACT_ID);
   constexpr bool IL = act_interleaved(ACT_ID);  // interleaved gate/up pairs (see the header)
   static_assert(!IL || act_gated(ACT), "interleaved: a gated activation");
+  static_assert(EW == 3 || EW == 6, "three epilogue warps (384 threads) or six (512)");
   using C = sm90::DhCfg<STAGES>;
-  constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, ZD = C::ZD, EPC = 8;
+  constexpr bool WIDE = EW == 6;
+  constexpr int NCW = WIDE ? 2 : 1;        // copy warps
+  constexpr int NZ = 4 * C::ZD;            // z row slots (and their barriers) in all
+  constexpr int ZD = WIDE ? 2 : C::ZD;     // z rows in flight a warp: 4 (EW 3), 2 (EW 6)
+  static_assert(EW * ZD <= NZ, "the warps' z rows fit the slots");
+  constexpr int BM = sm90::BM, BK = C::BK, BN = C::BN, EPC = 8;
   constexpr bool G2 = act_gated(ACT);
   extern __shared__ unsigned char sm90_smem[];
   const unsigned sbase = (smem_u32(sm90_smem) + 1023u) & ~1023u;
   const unsigned full0 = sbase + C::BAR_OFFSET, empty0 = full0 + 8 * C::STAGES;
   const unsigned dh_full = empty0 + 8 * C::STAGES, dh_empty = dh_full + 8;
   const unsigned zbar0 = dh_empty + 8;                // z row slots: warp w's slot q at zbar0 + 8 (w ZD + q)
-  const unsigned info_full0 = zbar0 + 8 * 4 * ZD;
+  const unsigned info_full0 = zbar0 + 8 * NZ;
   const unsigned info0 = sbase + C::INFO_OFFSET;
   const unsigned dhb = sbase + C::DH_OFFSET;
   const int tid = threadIdx.x;
@@ -87,26 +106,34 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < C::STAGES; ++s) {
-      sm90::mbar_init(full0 + 8 * s, 32 + 1);             // the copy warp's lanes + the TMA expect_tx
-      sm90::mbar_init(empty0 + 8 * s, 4 * sm90::CONSUMER_WGS);
+      sm90::mbar_init(full0 + 8 * s, 32 * NCW + 1);       // the copy warps' lanes + the TMA expect_tx
+      // one arrival a consumer warp; WIDE: a consumer thread (each reads its A rows by ldmatrix)
+      sm90::mbar_init(empty0 + 8 * s, (WIDE ? 128 : 4) * sm90::CONSUMER_WGS);
     }
     // every thread arrives for itself (not one lane a warp after __syncwarp), so each one's own shared-memory
     // accesses are ordered by its release-arrive and the other side's acquire-wait
     sm90::mbar_init(dh_full, 128 * sm90::CONSUMER_WGS);  // each consumer thread wrote its part of dh'
-    sm90::mbar_init(dh_empty, 96);                        // each epilogue thread read its part
+    sm90::mbar_init(dh_empty, 32 * EW);                   // each epilogue thread read its part
 #pragma unroll
-    for (int i = 0; i < 4 * ZD; ++i) sm90::mbar_init(zbar0 + 8 * i, 32);  // each lane's copies (cp.async arrive)
+    for (int i = 0; i < NZ; ++i) sm90::mbar_init(zbar0 + 8 * i, 32);  // each lane's copies (cp.async arrive)
 #pragma unroll
     for (int i = 0; i < sm90::INFO_SLOTS; ++i) sm90::mbar_init(info_full0 + 8 * i, 1);
   }
   __syncthreads();
+  const bool consumer = tid >= 128 && tid < 384;
 
-  if (tid < 32) {
-    // ================================ copy warp ================================
-    // A: lane l copies 16-byte chunk l % 8 of rows l / 8 + 4 i (i < 32), whose swizzled chunk position alternates
-    // between two values with i (row % 8 = l / 8 + 4 (i % 2)). B: lane 0, by TMA.
-    const int cc = tid & 7, r0 = tid >> 3;
-    const unsigned a_sw[2] = {static_cast<unsigned>((cc ^ r0) << 4), static_cast<unsigned>((cc ^ (r0 + 4)) << 4)};
+  // setmaxnreg by each warpgroup as one, at the head of its role's branch (so that ptxas allocates the role's code
+  // under it): the consumers' accumulators and A registers, the others' copies and epilogue rows
+  if (!consumer) {
+  if constexpr (WIDE) sm90::setmaxnreg_dec<80>();
+  if (tid < 32 * NCW) {
+    // ================================ copy warps ================================
+    // A: lane l of copy warp c copies 16-byte chunk l % 8 of rows l / 8 + 4 i (i in [RW c, RW (c + 1)), RW = 32 /
+    // NCW), whose swizzled chunk position alternates between two values with i (row % 8 = l / 8 + 4 (i % 2)). B:
+    // thread 0, by TMA.
+    constexpr int RW = BM / 4 / NCW;
+    const int cc = tid & 7, r0 = ((tid & 31) >> 3) + 4 * RW * (tid >> 5);
+    const unsigned a_sw[2] = {static_cast<unsigned>((cc ^ (r0 & 7)) << 4), static_cast<unsigned>((cc ^ ((r0 + 4) & 7)) << 4)};
     if (tid == 0) sm90::tma_prefetch_map(&tmap_b);
     int stage = 0, it = 0;
     unsigned phase = 0;
@@ -122,7 +149,7 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         sm90::post_tile(info0, info_full0, li, make_uint4(static_cast<unsigned>(e), static_cast<unsigned>(m0),
                                                           static_cast<unsigned>(m_end), static_cast<unsigned>(tn)));
       }
-      const char* a_src[BM / 4];
+      const char* a_src[RW];
       const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, true, true, m0 + r0, 4, m_end, cc * EPC);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         if (it >= C::STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
@@ -131,12 +158,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
         const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);
         if (m0 + BM <= m_end && k0 + BK <= Kd) {
 #pragma unroll
-          for (int i = 0; i < BM / 4; ++i)
+          for (int i = 0; i < RW; ++i)
             sm90::cp_async16_plain(as + (r0 + 4 * i) * sm90::ROW_BYTES + a_sw[i & 1], a_src[i] + kb);
         } else {
           const bool kok = k0 + cc * EPC < Kd;
 #pragma unroll
-          for (int i = 0; i < BM / 4; ++i) {
+          for (int i = 0; i < RW; ++i) {
             const bool ok = kok && ((a_ok >> i) & 1u);
             sm90::cp_async16_s(as + (r0 + 4 * i) * sm90::ROW_BYTES + a_sw[i & 1],
                                ok ? a_src[i] + kb : reinterpret_cast<const char*>(A), ok ? 16 : 0);
@@ -166,15 +193,16 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       sm90::post_tile(info0, info_full0, li, make_uint4(~0u, 0u, 0u, 0u));
     }
     sm90::cp_async_wait_all();
-  } else if (tid < 128) {
+  } else {
     // ================================ epilogue warps ================================
-    // Warp w (1..3) takes the tile rows r = (w - 1) + 3 j (j < EJ), lane l the columns [8 l, 8 l + 8); z rows come ZD
-    // ahead, each lane's two 16-byte chunks by cp.async, on the warp's slot barriers; fq / cq count the rows the
-    // warp fetched / consumed over all its tiles, which picks the slot and its barrier's phase.
-    constexpr int EW = 3, EJ = (BM + EW - 1) / EW;  // epilogue warps, rows a warp (at most)
-    constexpr int RS = BLZ_DH_ROWS;                  // rows a step
-    static_assert(RS >= 1 && RS <= ZD, "a step's rows are in flight together");
-    const int w = (tid >> 5) - 1, lane = tid & 31;
+    // Warp w (0..EW-1: warps 1..3 of the first warpgroup, WIDE also the fourth warpgroup's) takes the tile rows
+    // r = w + EW j (j < EJ), lane l the columns [8 l, 8 l + 8); z rows come ZD ahead, each lane's two 16-byte chunks
+    // by cp.async, on the warp's slot barriers; fq / cq count the rows the warp fetched / consumed over all its
+    // tiles, which picks the slot and its barrier's phase.
+    constexpr int EJ = (BM + EW - 1) / EW;              // rows a warp (at most)
+    constexpr int RS = WIDE ? 1 : BLZ_DH_ROWS;          // rows a step (WIDE: one, the next row's z in flight)
+    static_assert(RS >= 1 && RS <= ZD && EJ <= 64, "a step's rows are in flight together; the gates in two lanes");
+    const int w = tid < 128 ? (tid >> 5) - NCW : (tid >> 5) - 12 + 4 - NCW, lane = tid & 31;
     const unsigned zw = sbase + C::Z_OFFSET + static_cast<unsigned>(w * ZD * C::Z_SLOT);
     unsigned fq = 0, cq = 0;
     for (int li = 0;; ++li) {
@@ -308,17 +336,57 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
       }
       sm90::mbar_arrive(dh_empty);  // this thread's part of dh' is read: the consumers may rewrite it
     }
+  }
   } else {
     // ================================ consumer warpgroups ================================
+    if constexpr (WIDE) sm90::setmaxnreg_inc<176>();
     const int cw = (tid >> 7) - 1;
     const int t = tid & 127;
-    float acc[BN / 2];
     const unsigned long long da0 = sm90::make_desc(sbase + cw * 64 * sm90::ROW_BYTES, 16, 1024);
     const unsigned long long db0 = B_KMAJOR ? sm90::make_desc(sbase + C::A_BYTES, 16, 1024)
                                             : sm90::make_desc(sbase + C::A_BYTES, C::B_ATOM, 1024);
     constexpr unsigned B_KSTEP = B_KMAJOR ? (16 * 2) >> 4 : (16 * sm90::ROW_BYTES) >> 4;
     int stage = 0;
     unsigned phase = 0;
+    // the tile's accumulators; the WIDE form's two m64n128 wgmmas a k16 step write its halves, registers 0..63
+    // (columns [0, 128)) and 64..127 (columns [128, 256)), which is the m64n256 fragment's layout
+    float acc[BN / 2];
+    float (&acc_lo)[BN / 4] = *reinterpret_cast<float (*)[BN / 4]>(&acc[0]);
+    float (&acc_hi)[BN / 4] = *reinterpret_cast<float (*)[BN / 4]>(&acc[BN / 4]);
+    // WIDE: this lane's ldmatrix.x4 row (block q = lane / 8: rows + 8 (q % 2), k chunk + q / 2) in the A tile
+    const int lane = t & 31, a_q = lane >> 3, a_r = lane & 7;
+    const unsigned a_row_off = static_cast<unsigned>((cw * 64 + (t >> 5) * 16 + (a_q & 1) * 8 + a_r) * sm90::ROW_BYTES);
+    constexpr unsigned B_HALF = (16 * 1024) >> 4;  // the B tile's columns [128, 256): 2 atoms / 128 rows on, encoded
+    unsigned af[BK / 16][4];                       // WIDE: the k-tile's A registers
+    auto wide_ktile = [&](int kt) {
+      sm90::mbar_wait(full0 + 8 * stage, phase);
+      const unsigned st = sbase + static_cast<unsigned>(stage * C::STAGE_BYTES) + a_row_off;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) sm90::ldmatrix_x4_s(af[ks], st + (((2 * ks + (a_q >> 1)) ^ a_r) << 4));
+      sm90::fence_regs(acc);
+      sm90::wgmma_fence();  // the A registers were written by other instructions
+      const unsigned long long soff = static_cast<unsigned long long>(static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4);
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        const unsigned long long db = db0 + soff + ks * B_KSTEP;
+        sm90::WgmmaRs<BN / 2, T>::template mma<B_KMAJOR ? 0 : 1>(acc_lo, af[ks], db, (kt | ks) != 0);
+        sm90::WgmmaRs<BN / 2, T>::template mma<B_KMAJOR ? 0 : 1>(acc_hi, af[ks], db + B_HALF, (kt | ks) != 0);
+      }
+      sm90::wgmma_commit();
+      // the k-tile's wgmmas done before its A registers are rewritten (the other warpgroup's keep the tensor cores
+      // busy meanwhile; two register sets, one k-tile in flight, need more registers than the 176 the consumers
+      // have: ptxas serializes the wgmmas); then this thread's reads of the stage are done
+      sm90::wgmma_wait<0>();
+      sm90::fence_regs(acc);
+      sm90::mbar_arrive(empty0 + 8 * stage);
+      if (++stage == C::STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    };
+    auto wide_mainloop = [&]() {
+      for (int kt = 0; kt < num_kt; ++kt) wide_ktile(kt);
+    };
     for (int li = 0;; ++li) {
       sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
       const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
@@ -329,8 +397,12 @@ __global__ void __launch_bounds__(sm90::THREADS, 1) moe_dhcur_sm90(const MGroupe
           sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
                                                               (kt | ks) != 0);
       };
-      sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
-          acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
+      if constexpr (WIDE) {
+        wide_mainloop();
+      } else {
+        sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
+            acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
+      }
       // dh' to shared memory once the producer has read the previous tile's
       if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
       const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
