@@ -223,24 +223,25 @@ def moe_sm90():
     _layer(True, (BF16, np.float16))
 
 
-@case
-def moe_sm90_dh():
-    # dh' with its epilogue on the producer warpgroup (moe_dhcur_sm90, DHCUR "overlap"), every activation
-    os.environ["BLAZECORE_SM90_DHCUR"] = "overlap"
+def _layer_dh(form):
+    """The sm_90a layer (_layer's shapes and activations) with dh' on the producer-epilogue kernel's ``form``."""
+    os.environ["BLAZECORE_SM90_DHCUR"] = form
     try:
         _layer(True, (BF16,))
     finally:
         os.environ.pop("BLAZECORE_SM90_DHCUR")
+
+
+@case
+def moe_sm90_dh():
+    # dh' with its epilogue on the producer warpgroup (moe_dhcur_sm90, DHCUR "overlap")
+    _layer_dh("overlap")
 
 
 @case
 def moe_sm90_dh_wide():
     # the same on its wide form (DHCUR "wide": 512 threads, the consumers' A from registers)
-    os.environ["BLAZECORE_SM90_DHCUR"] = "wide"
-    try:
-        _layer(True, (BF16,))
-    finally:
-        os.environ.pop("BLAZECORE_SM90_DHCUR")
+    _layer_dh("wide")
 
 
 @case
