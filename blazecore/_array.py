@@ -358,8 +358,8 @@ class _StreamHandle:
 def external_stream(handle: int, device: int | None = None):
     """A CuPy Stream for a stream another library owns (a raw ``cudaStream_t`` handle), which it leaves alone:
     ``cupy.cuda.Stream.from_external`` where CuPy has it (14 and later, which deprecate ``ExternalStream``), else
-    ``cupy.cuda.ExternalStream``. Made inside ``cupy.cuda.Device(device)`` where the handle is not the current
-    device's."""
+    ``cupy.cuda.ExternalStream`` (given ``device``). Where the handle is not the current device's, call it inside
+    ``cupy.cuda.Device(device)`` (the adapters do): ``from_external`` takes the current device."""
     cp = _cupy()
     from_external = getattr(cp.cuda.Stream, "from_external", None)
     if from_external is not None:
