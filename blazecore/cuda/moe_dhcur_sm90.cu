@@ -358,34 +358,23 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
     const unsigned a_row_off = static_cast<unsigned>((cw * 64 + (t >> 5) * 16 + (a_q & 1) * 8 + a_r) * sm90::ROW_BYTES);
     constexpr unsigned B_HALF = (16 * 1024) >> 4;  // the B tile's columns [128, 256): 2 atoms / 128 rows on, encoded
     unsigned af[BK / 16][4];                       // WIDE: the k-tile's A registers
-    auto wide_ktile = [&](int kt) {
-      sm90::mbar_wait(full0 + 8 * stage, phase);
-      const unsigned st = sbase + static_cast<unsigned>(stage * C::STAGE_BYTES) + a_row_off;
+    // WIDE: the k-tile's A fragments by ldmatrix after its stage's wait (consumer_mainloop's prep step), then two
+    // m64n128k16 a k16 step on the B tile's column halves; INFLIGHT 0: the k-tile's wgmmas are done before its A
+    // registers are rewritten (the other warpgroup's keep the tensor cores busy meanwhile; two register sets, one
+    // k-tile in flight, need more registers than the 176 the consumers have: ptxas serializes the wgmmas), and every
+    // consumer thread releases the stage it read itself
+    auto wide_prep = [&](unsigned long long soff, int) {
+      const unsigned st = sbase + (static_cast<unsigned>(soff) << 4) + a_row_off;
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks) sm90::ldmatrix_x4_s(af[ks], st + (((2 * ks + (a_q >> 1)) ^ a_r) << 4));
-      sm90::fence_regs(acc);
-      sm90::wgmma_fence();  // the A registers were written by other instructions
-      const unsigned long long soff = static_cast<unsigned long long>(static_cast<unsigned>(stage * C::STAGE_BYTES) >> 4);
+    };
+    auto wide_issue = [&](unsigned long long soff, int kt) {
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks) {
         const unsigned long long db = db0 + soff + ks * B_KSTEP;
         sm90::WgmmaRs<BN / 2, T>::template mma<B_KMAJOR ? 0 : 1>(acc_lo, af[ks], db, (kt | ks) != 0);
         sm90::WgmmaRs<BN / 2, T>::template mma<B_KMAJOR ? 0 : 1>(acc_hi, af[ks], db + B_HALF, (kt | ks) != 0);
       }
-      sm90::wgmma_commit();
-      // the k-tile's wgmmas done before its A registers are rewritten (the other warpgroup's keep the tensor cores
-      // busy meanwhile; two register sets, one k-tile in flight, need more registers than the 176 the consumers
-      // have: ptxas serializes the wgmmas); then this thread's reads of the stage are done
-      sm90::wgmma_wait<0>();
-      sm90::fence_regs(acc);
-      sm90::mbar_arrive(empty0 + 8 * stage);
-      if (++stage == C::STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
-    };
-    auto wide_mainloop = [&]() {
-      for (int kt = 0; kt < num_kt; ++kt) wide_ktile(kt);
     };
     for (int li = 0;; ++li) {
       sm90::mbar_wait(info_full0 + 8 * (li % sm90::INFO_SLOTS), static_cast<unsigned>(li / sm90::INFO_SLOTS) & 1u);
@@ -398,7 +387,9 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
                                                               (kt | ks) != 0);
       };
       if constexpr (WIDE) {
-        wide_mainloop();
+        // A through ldmatrix and B by TMA: no generic-proxy writes the wgmmas read
+        sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(wide_issue)&, 0, decltype(wide_prep)&, false>(
+            acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, wide_issue, /*keep_acc=*/true, wide_prep);
       } else {
         sm90::consumer_mainloop<C::STAGES, BN / 2, decltype(issue)&, 1, sm90::NoPrep, true>(
             acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
