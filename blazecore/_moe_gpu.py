@@ -92,15 +92,15 @@ WGRAD_CLUSTER = 2
 # than the staging once STAGE_MIN_TILES or more n-tiles read the rows (docs/sm90_kernels.md, "Staged rows").
 # BLAZECORE_STAGE_ROWS = "auto" (that rule), "always" or "never" overrides STAGE_ROWS; the results have the same bits
 # either way.
-# How the sm_90a dh' runs its epilogue (activation backward, dz, g * hcur, dgates partials): "overlap"
-# (moe_dhcur_sm90: the consumers leave dh' in shared memory and go on with the next tile while the producer warpgroup
-# does the epilogue between its copies; weights by TMA only) or "fused" (moe_gemm_sm90's EPI_DHCUR: the consumers do
-# it after their mainloop). "overlap" is the default: on an H100 it was as fast as "fused" on olmoe and qwen3 and faster
-# on fine (about 12%) and mixtral (3-6%), see docs/sm90_kernels.md. "wide": the overlap kernel with a fourth
-# warpgroup (512 threads: two copy warps, six epilogue warps, the consumers' A from registers), same bits as "overlap".
-# BLAZECORE_SM90_DHCUR overrides DHCUR.
+# How the sm_90a dh' runs its epilogue (activation backward, dz, g * hcur, dgates partials): "wide"
+# (moe_dhcur_sm90 with six epilogue warps: the consumers leave dh' in shared memory and go on with the next tile while
+# the other warps do the epilogue; 512 threads, two copy warps, the consumers' A from registers; weights by TMA only),
+# "overlap" (the same kernel with three epilogue warps and one copy warp, 384 threads; same bits as "wide") or "fused"
+# (moe_gemm_sm90's EPI_DHCUR: the consumers do it after their mainloop). "wide" is the default: on an H200 its dh' is
+# 7-9% faster than "overlap" on olmoe, qwen3 and fine and the same on mixtral; on an H100 the two were within 0-2%
+# (docs/sm90_kernels.md, "dh' with six epilogue warps"). BLAZECORE_SM90_DHCUR overrides DHCUR.
 DHCUR_FORMS = ("overlap", "fused", "wide")
-DHCUR = "overlap"
+DHCUR = "wide"
 DGATES_SMALL_PARTS = 8  # moe_dgates_small's most partials a slot (its DGATES_SMALL_PARTS)
 STAGES_DH90 = 3  # moe_dhcur_sm90's ring: 3 stages of 48 KB beside dh' and the z rows, see sm90::DhCfg
 DH_EPI_WARPS = {"overlap": 3, "wide": 6}  # moe_dhcur_sm90's EW: its epilogue warps (384 / 512 threads)
