@@ -271,7 +271,7 @@ def moe_layouts():
 @case
 def moe_layouts_sm90():
     # the same on the sm_90a kernels: interleaved gate/up rows' gemm1 and dh' epilogues, "in_out" B loads; dh' on the
-    # producer-epilogue kernel (the default) and fused into the GEMM
+    # producer-epilogue kernel in both forms ("wide" the default) and fused into the GEMM
     for dh in ("overlap", "fused", "wide"):
         os.environ["BLAZECORE_SM90_DHCUR"] = dh
         try:

@@ -11,7 +11,8 @@
 // partial sums from dh' and z, and stores them with 16-byte row stores. So the epilogue's arithmetic and its DRAM
 // traffic run under the next tile's wgmmas.
 //
-// CTA = 3 warpgroups (384 threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
+// CTA of the EW = 3 form ("overlap"; the default EW = 6 form, "wide", is described below) = 3 warpgroups (384
+// threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
 //   warpgroup 0     warp 0 the copies: the gathered dy rows by cp.async (8 threads a 128-byte row, rows r0 + 4 i)
 //                   and B's four [64 k][64 n] atoms by TMA (box (64, 64), one issuing thread) into a STAGES-deep ring
 //                   of 48 KB stages, laid out as moe_gemm_sm90's N-major form (B_KMAJOR: two boxes (64, 128) of
@@ -55,7 +56,8 @@ namespace blz {
 // B = w2_e N-major, out = dz (may alias aux = z), out2 = g * hcur, part: one fp32 column a 256-column n-tile), then
 // B's tensor map: 3-D (N, Kd, E), box (64, 64, 1), 128-byte swizzle, zero fill out of bounds; B_KMAJOR (w2_e
 // K-major, "in_out"): 4-D (Kd, N, 1, E), box (64, 128, 1, 1), moe_gemm_sm90's K-major map.
-// Launch: any grid (persistent); block = sm90::THREADS, dynamic shared memory = sm90::DhCfg<STAGES>::SMEM_BYTES.
+// Launch: any grid (persistent); block = sm90::THREADS (EW = 6: sm90::THREADS + 128), dynamic shared memory =
+// sm90::DhCfg<STAGES>::SMEM_BYTES.
 // Preconditions: Kd > 0; lda, ldaux, ldo, ldo2 and N multiples of 8 (16-byte rows), as for moe_gemm_sm90.
 template <typename T, int ACT_ID, int STAGES, bool B_KMAJOR = false, int EW = 3>
 __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128, 1)
