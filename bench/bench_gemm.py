@@ -247,11 +247,20 @@ def split_interleaved(recs: list, ours_names: list, gmm: list, repeats: int) -> 
     return ours, theirs
 
 
+def step_kernel_ms(ours: list, per_step: int, repeats: int) -> list:
+    """The summed ms of every kernel of each of ``repeats`` steps, from blazecore's records of them in start order
+    (``per_step`` records a step, as :func:`split_interleaved` returns them)."""
+    if len(ours) != per_step * repeats:
+        raise RuntimeError(f"{len(ours)} kernels recorded for {repeats} steps of {per_step}")
+    return [sum(ms for _, ms, _ in ours[r * per_step:(r + 1) * per_step]) for r in range(repeats)]
+
+
 def interleaved_round(torch, step, gmm_fns: list, repeats: int) -> tuple:
     """One round of the interleaved protocol: ``repeats`` repetitions of blazecore's forward+backward ``step`` and then
     grouped_mm's GEMMs ``gmm_fns`` [(gemm, fn)] one after the other, all under one profile, so that each of
     blazecore's GEMMs and grouped_mm's run within one step of each other, at one clock. Returns ({gemm: blazecore's
-    median ms}, {gemm: grouped_mm's median ms}) over the repetitions."""
+    median ms}, {gemm: grouped_mm's median ms}, the median over the repetitions of the summed ms of every kernel of
+    blazecore's step: its GEMMs, combines and helper kernels, at the clock of grouped_mm's six)."""
     import statistics
 
     ours_names = [name for _, _, name in cuda_kernels(torch, step)]  # also a warm call of each side
@@ -267,7 +276,8 @@ def interleaved_round(torch, step, gmm_fns: list, repeats: int) -> tuple:
         recs = cuda_kernels(torch, run)
     ours, theirs = split_interleaved(recs, ours_names, gmm, repeats)
     return (attribute_kernels(ll.log, ours, repeats, key=_role_key),
-            {name: statistics.median(v) for name, v in theirs.items()})
+            {name: statistics.median(v) for name, v in theirs.items()},
+            statistics.median(step_kernel_ms(ours, len(ours_names), repeats)))
 
 
 def _problem(torch, d, h, E, K, L, seed=0):
@@ -449,9 +459,11 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     heat(torch, [ours, theirs], warm_s)
     per_r: dict = {}
     ref_r: dict = {}
+    step_r: list = []  # interleaved: each round's summed kernel ms of blazecore's step
     for _ in range(rounds):
         if order == "interleaved":
-            b_ms, g_ms = interleaved_round(torch, ours, fns, repeats)
+            b_ms, g_ms, step_ms = interleaved_round(torch, ours, fns, repeats)
+            step_r.append(step_ms)
             for name, ms in b_ms.items():
                 per_r.setdefault(name, []).append(ms)
             for name, ms in g_ms.items():
@@ -504,6 +516,8 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
     # layer / six: the layer timed in the context its GEMMs were (interleaved: beside grouped_mm's six, against the
     # six's kernel time; blocks: beside the grouped_mm MoE)
     near = layer if beside is None else beside["blazecore"]
+    # and like for like: the step's kernels (CUPTI) against the six's, in the same rounds
+    step_kernels = statistics.median(step_r) if step_r else None
     flops = 18 * unit
     rows.append({"shape": shape, "tokens": L, "kind": "layer", "flops": flops, "order": order,
                  "blazecore_moe_ffn_ms": layer.median_ms, "blazecore_moe_ffn_spread_ms": layer.spread_ms,
@@ -514,6 +528,8 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                  "six_grouped_mm_ms": six, "six_grouped_mm_tflops": common.tflops(flops, six),
                  "grouped_mm_moe_ms": t_gmm.median_ms, "grouped_mm_moe_spread_ms": t_gmm.spread_ms,
                  "layer_over_six": near.median_ms / six,
+                 "blazecore_step_kernels_ms": step_kernels, "blazecore_step_kernels_rounds_ms": step_r or None,
+                 "step_kernels_over_six": None if step_kernels is None else step_kernels / six,
                  "grouped_mm_moe_over_layer": t_gmm.median_ms / layer.median_ms,
                  "blazecore_gemms_sum_ms": sum(statistics.median(v) for v in per_r.values()),
                  "gpu_state_before_heat": state0, "gpu_state_after": state1})

@@ -103,14 +103,17 @@ def gemm_table(doc: dict) -> str:
         out.append(f"| {key[0]} | {key[1] // 1024}k | " + " | ".join(cells) + " |")
     layer = [r for r in rows if r["kind"] == "layer"]
     if any(r.get("blazecore_beside_six_ms") is not None for r in layer):
-        # interleaved: layer / six from the layer timed beside the six (the rounds' clock), the MoE ratio from the
-        # layer timed beside the grouped_mm MoE
+        # interleaved: layer / six from the layer timed beside the six (the rounds' clock; CUDA events against the
+        # six's kernel time), its step's kernels / six (both kernel time, the same rounds; files from before it: -),
+        # the MoE ratio from the layer timed beside the grouped_mm MoE
         out += ["", "| shape | tokens | moe_ffn fwd+bwd ms beside the six | six grouped_mm ms | layer / six | "
-                    "moe_ffn ms beside the MoE | grouped_mm MoE ms | grouped_mm MoE / layer |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                    "step's kernels / six | moe_ffn ms beside the MoE | grouped_mm MoE ms | grouped_mm MoE / layer |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in layer:
+            kern = r.get("step_kernels_over_six")
             out.append(f"| {r['shape']} | {r['tokens'] // 1024}k | {_ms(r.get('blazecore_beside_six_ms'))} | "
-                       f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | {r['blazecore_moe_ffn_ms']:.2f} | "
+                       f"{r['six_grouped_mm_ms']:.2f} | {r['layer_over_six']:.2f} | "
+                       f"{'-' if kern is None else f'{kern:.2f}'} | {r['blazecore_moe_ffn_ms']:.2f} | "
                        f"{r['grouped_mm_moe_ms']:.2f} | {r['grouped_mm_moe_over_layer']:.2f} |")
         other = [f"{r['shape']} {r['tokens'] // 1024}k" for r in layer if r.get("order", h["order"]) != h["order"]]
         if other:

@@ -96,6 +96,19 @@ def test_split_interleaved_separates_the_sides_and_sums_each_call():
     assert attribute_kernels(["gemm1", "dw2"] * 3, mine, 3) == {"gemm1": 2.0, "dw2": 4.0}
 
 
+def test_step_kernel_ms_sums_every_kernel_of_each_step():
+    from bench.bench_gemm import split_interleaved, step_kernel_ms
+
+    ours = [("void blz::moe_gemm_sm90<a>", 1.0), ("blz::moe_combine", 0.5), ("blz::moe_tile_offsets", 0.25)]
+    gmm = [("gemm1", [("cutlass::device_kernel<G>", 0.75)])]
+    mine, _ = split_interleaved(_interleaved(3, ours, gmm), [n for n, _ in ours],
+                                [(g, [n for n, _ in c]) for g, c in gmm], 3)
+    # repetition k's records are the step's kernels times k: 1.75 k ms a step, grouped_mm's left out
+    assert step_kernel_ms(mine, 3, 3) == [1.75, 3.5, 5.25]
+    with pytest.raises(RuntimeError, match="5 kernels recorded for 2 steps of 3"):
+        step_kernel_ms(mine[:5], 3, 2)
+
+
 def test_split_interleaved_refuses_records_that_do_not_match():
     from bench.bench_gemm import split_interleaved
 
@@ -123,12 +136,13 @@ def test_the_interleaved_order_needs_cupti():
         parse_args(["--clock", "events"])
 
 
-def _gemm_doc(order, beside):
+def _gemm_doc(order, beside, step_kernels=None):
     gemm = {"shape": "olmoe", "tokens": 32768, "kind": "gemm", "gemm": "gemm1", "blazecore_ms": 3.0,
             "blazecore_tflops": 600.0, "grouped_mm_ms": 2.5, "grouped_mm_tflops": 720.0, "ratio": 1.2}
     layer = {"shape": "olmoe", "tokens": 32768, "kind": "layer", "blazecore_moe_ffn_ms": 15.0,
              "blazecore_beside_six_ms": beside, "six_grouped_mm_ms": 14.0,
-             "layer_over_six": (beside or 15.0) / 14.0, "grouped_mm_moe_ms": 30.0, "grouped_mm_moe_over_layer": 2.0}
+             "layer_over_six": (beside or 15.0) / 14.0, "grouped_mm_moe_ms": 30.0, "grouped_mm_moe_over_layer": 2.0,
+             "step_kernels_over_six": None if step_kernels is None else step_kernels / 14.0}
     header = {"gpu": "GPU", "date": "2026-01-01T00:00:00", "git_commit": "0" * 40, "torch": "x", "clock": "cupti",
               "warm_seconds": 10.0, "rounds": 5, "order": order}
     return {"header": header, "rows": [gemm, layer]}
@@ -140,8 +154,11 @@ def test_report_names_the_order_and_which_layer_time_each_ratio_uses():
     text = gemm_table(_gemm_doc("interleaved", 16.1))
     assert "blazecore's step, then grouped_mm's six" in text
     head = next(line for line in text.splitlines() if "layer / six" in line)
-    assert "beside the six" in head and "beside the MoE" in head
-    assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | 15.00 | 30.00 | 2.00 |" in text
+    assert "beside the six" in head and "beside the MoE" in head and "step's kernels / six" in head
+    # a file from before the step's kernel time: "-" in its column
+    assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | - | 15.00 | 30.00 | 2.00 |" in text
+    assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | 1.08 | 15.00 | 30.00 | 2.00 |" in gemm_table(
+        _gemm_doc("interleaved", 16.1, 15.12))
     doc = _gemm_doc("interleaved", 16.1)
     doc["rows"].append({**doc["rows"][1], "shape": "mixtral", "tokens": 131072, "order": "blocks",
                         "blazecore_beside_six_ms": None})
