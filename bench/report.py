@@ -106,7 +106,10 @@ def gemm_table(doc: dict) -> str:
         # interleaved: layer / six from the layer timed beside the six (the rounds' clock; CUDA events against the
         # six's kernel time), its step's kernels / six (both kernel time, the same rounds; files from before it: -),
         # the MoE ratio from the layer timed beside the grouped_mm MoE
-        out += ["", "| shape | tokens | moe_ffn fwd+bwd ms beside the six | six grouped_mm ms | layer / six | "
+        out += ["", "The layer's forward+backward through blazecore_torch.moe_ffn (\"ab\"): layer / six is its "
+                    "CUDA-event time beside the six over the six's kernel time; step's kernels / six is the summed "
+                    "kernel time of its step (GEMMs, combines, helpers) over the six's, both from the same rounds:",
+                "", "| shape | tokens | moe_ffn fwd+bwd ms beside the six | six grouped_mm ms | layer / six | "
                     "step's kernels / six | moe_ffn ms beside the MoE | grouped_mm MoE ms | grouped_mm MoE / layer |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in layer:

@@ -153,7 +153,8 @@ def test_report_names_the_order_and_which_layer_time_each_ratio_uses():
 
     text = gemm_table(_gemm_doc("interleaved", 16.1))
     assert "blazecore's step, then grouped_mm's six" in text
-    head = next(line for line in text.splitlines() if "layer / six" in line)
+    head = next(line for line in text.splitlines() if line.startswith("|") and "layer / six" in line)
+    assert "CUDA-event time beside the six over the six's kernel time" in text  # the caption says which is which
     assert "beside the six" in head and "beside the MoE" in head and "step's kernels / six" in head
     # a file from before the step's kernel time: "-" in its column
     assert "| olmoe | 32k | 16.10 | 14.00 | 1.15 | - | 15.00 | 30.00 | 2.00 |" in text
