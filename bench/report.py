@@ -103,9 +103,8 @@ def gemm_table(doc: dict) -> str:
         out.append(f"| {key[0]} | {key[1] // 1024}k | " + " | ".join(cells) + " |")
     layer = [r for r in rows if r["kind"] == "layer"]
     if any(r.get("blazecore_beside_six_ms") is not None for r in layer):
-        # interleaved: layer / six from the layer timed beside the six (the rounds' clock; CUDA events against the
-        # six's kernel time), its step's kernels / six (both kernel time, the same rounds; files from before it: -),
-        # the MoE ratio from the layer timed beside the grouped_mm MoE
+        # interleaved (the caption names the two layer ratios; files from before the step's kernel time show "-"
+        # for it); the MoE ratio from the layer timed beside the grouped_mm MoE
         out += ["", "The layer's forward+backward through blazecore_torch.moe_ffn (\"ab\"): layer / six is its "
                     "CUDA-event time beside the six over the six's kernel time; step's kernels / six is the summed "
                     "kernel time of its step (GEMMs, combines, helpers) over the six's, both from the same rounds:",
