@@ -524,7 +524,10 @@ def measure(torch, ops, shape, L, *, warmup, repeats, clock="cupti", warm_s=10.0
                  "blazecore_moe_ffn_tflops": common.tflops(flops, layer.median_ms),
                  "blazecore_beside_six_ms": None if beside is None else beside["blazecore"].median_ms,
                  "blazecore_beside_six_spread_ms": None if beside is None else beside["blazecore"].spread_ms,
+                 # every event-timed sample, so a spread can be read as a drift or as a few slow steps
+                 "blazecore_beside_six_samples_ms": None if beside is None else beside["blazecore"].samples_ms,
                  "six_grouped_mm_events_ms": None if beside is None else beside["six"].median_ms,
+                 "six_grouped_mm_events_samples_ms": None if beside is None else beside["six"].samples_ms,
                  "six_grouped_mm_ms": six, "six_grouped_mm_tflops": common.tflops(flops, six),
                  "grouped_mm_moe_ms": t_gmm.median_ms, "grouped_mm_moe_spread_ms": t_gmm.spread_ms,
                  "layer_over_six": near.median_ms / six,
