@@ -9,8 +9,8 @@
 // dh' to T and write it to shared memory, then start the next tile at once; the producer warpgroup, between its
 // k-tiles' copies, brings the tile's z rows in by cp.async (ZD rows in flight a warp), computes dz, g * hcur and the
 // partial sums from dh' and z, and stores them with 16-byte row stores (z read and dz, g * hcur stored with an L2
-// evict-first policy: each is touched once here). So the epilogue's arithmetic and its DRAM
-// traffic run under the next tile's wgmmas.
+// evict-first policy: each is touched once here). So the epilogue's arithmetic and its DRAM traffic run under the
+// next tile's wgmmas.
 //
 // CTA of the EW = 3 form ("overlap"; the default EW = 6 form, "wide", is described below) = 3 warpgroups (384
 // threads), one CTA per SM (persistent, the tile order of moe_gemm_sm90):
