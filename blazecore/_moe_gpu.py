@@ -1181,12 +1181,17 @@ def o_slices(d: int) -> list[tuple[int, int]]:
     return _col_slices(d, O_SLICE_COLS)
 
 
+DX_SLICE_FACTOR = 2  # widest column slice of the backward's per-slot dx rows, in reduction widths kd
+
+
 def dx_slices(d: int, kd: int, lean: bool = False) -> list[tuple[int, int]]:
     """Column slices of dx for the per-slot dx rows (L*K, width) of the backward: one slice unless d is more than
-    twice the reduction width kd (= dz's row, 2h gated); then slices at most 2 kd wide. The extra cost is one more
-    pass over dz per slice, small exactly when dz is narrow. ``lean`` (checkpoint "none", whose point is the
-    smallest peak): slices of about a quarter of d as well (rounded up to whole 256-column tiles)."""
-    return _col_slices(d, min(2 * kd, -(-d // 4)) if lean else 2 * kd)
+    DX_SLICE_FACTOR (2) times the reduction width kd (= dz's row, 2h gated); then slices at most that wide. The
+    extra cost is one more pass over dz per slice, small exactly when dz is narrow. ``lean`` (checkpoint "none",
+    whose point is the smallest peak): slices of about a quarter of d as well (rounded up to whole 256-column
+    tiles)."""
+    w = DX_SLICE_FACTOR * kd
+    return _col_slices(d, min(w, -(-d // 4)) if lean else w)
 
 
 def h_slices(h: int, d: int, lean: bool = False) -> list[tuple[int, int]]:

@@ -405,6 +405,18 @@ def test_dx_slices():
     assert dx_slices(1536, 512, lean=True) == [(0, 512), (512, 1024), (1024, 1536)]
 
 
+def test_dx_slices_factor(monkeypatch):
+    # DX_SLICE_FACTOR bounds a slice in reduction widths: wide enough, one slice; the lean slices stay a quarter of d
+    from blazecore import _moe_gpu
+
+    monkeypatch.setattr(_moe_gpu, "DX_SLICE_FACTOR", 64)
+    assert _moe_gpu.dx_slices(1536, 512) == [(0, 1536)]
+    assert _moe_gpu.dx_slices(1536, 512, lean=True) == [(0, 512), (512, 1024), (1024, 1536)]
+    monkeypatch.setattr(_moe_gpu, "DX_SLICE_FACTOR", 1)
+    assert _moe_gpu.dx_slices(1536, 512) == [(0, 512), (512, 1024), (1024, 1536)]
+    assert _moe_gpu.dx_slices(2048, 2048) == [(0, 2048)]
+
+
 def test_o_slices():
     from blazecore._moe_gpu import O_SLICE_COLS, o_slices
 
