@@ -1,5 +1,28 @@
 #include "sm90_common.cuh"
 
+// BLZ_WGRAD_SHORT_CP = 1: a reduction tile shorter than BK comes by cp.async even where the slot-indexed operand
+// otherwise comes by TMA (see the producer); 0 (default): by TMA, the box's rows past the tile zeroed by the consumers.
+#ifndef BLZ_WGRAD_SHORT_CP
+#define BLZ_WGRAD_SHORT_CP 0
+#endif
+
+#if BLZ_PROBE_TIMELINE
+// Timing probe (results unchanged): CTA 0 of the last launch of each OUT_T form records the SM clock (clock64) of its
+// first BLZ_PROBE_TIMELINE k-tiles: [0] the producer past the stage's empty wait, [1] its copies issued, [2] the
+// consumers past the stage's full wait (read back by scripts/probe_wgrad_timeline.py).
+extern "C" {
+__device__ unsigned long long blz_wgrad_timeline[2][3][BLZ_PROBE_TIMELINE];
+}
+#define BLZ_TL(form, what, k)                                                                              \
+  do {                                                                                                     \
+    if (blockIdx.x == 0 && (k) < BLZ_PROBE_TIMELINE) blz_wgrad_timeline[form][what][k] = clock64();       \
+  } while (0)
+#else
+#define BLZ_TL(form, what, k) \
+  do {                        \
+  } while (0)
+#endif
+
 namespace blz {
 
 // ---- K-grouped weight gradient (MODE_K, EPI_WGRAD) -------------------------------------------------------
@@ -71,6 +94,9 @@ __device__ __forceinline__ void wgrad_copy_rows(unsigned tile, unsigned dst, int
   auto copies = [&](auto narrow) {
 #pragma unroll
     for (int i = 0; i < ROWS_W / RP; ++i) {
+#if BLZ_PROBE_A_SKIP
+      if (GATHER && i % BLZ_PROBE_A_SKIP == BLZ_PROBE_A_SKIP - 1) continue;  // timing probe: rows left stale
+#endif
       const int rl = RP * i + sub;  // k-row within the warp's ROWS_W
       const int r = rw + rl;        // k-row within the k-tile (r % 8 == rl % 8)
       int row;
@@ -222,37 +248,48 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
         }
         if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
+        if (tid == 0) BLZ_TL(OUT_T, 0, it);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
+        // BLZ_WGRAD_SHORT_CP: a reduction tile shorter than BK (a token block's or the expert's last) comes by
+        // cp.async, whose zero fill stops at the tile's end. A TMA box always holds BK slots and brings in the next
+        // ones (the next block's or the next expert's rows), which the consumers then zero (zero_tail below), all 256
+        // of them between two named barriers while the tensor cores wait. Both CTAs of a cluster reduce the same
+        // slots, so they take the cp.async path at the same k-tiles and neither multicasts there.
+        const bool part = BLZ_WGRAD_SHORT_CP && tend - t0 < BK;
+        const bool a_tma = A_TMA && !part, b_tma = B_TMA && !part;
         if constexpr (ANY_TMA) {
-          // one thread raises the stage's transaction count by the TMA tiles' bytes and issues their boxes (one per
-          // 64-column atom)
+          // one thread raises the stage's transaction count by the TMA tiles' bytes (none on a short tile: then it
+          // only arrives) and issues their boxes (one per 64-column atom)
           if (tid == 0) {
             const unsigned bar = full0 + 8 * stage;
             sm90::mbar_arrive_expect_tx(
-                bar, (A_TMA ? C::A_BYTES : 0) + (B_TMA ? C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) : 0));
-            if constexpr (A_TMA) {
+                bar, (a_tma ? C::A_BYTES : 0) + (b_tma ? C::B_BYTES / (BLZ_PROBE_HALF_B ? 2 : 1) : 0));
+            if (a_tma) {
               sm90::tma_load_2d(as, &tmap_a, bar, m0, t0);
               sm90::tma_load_2d(as + ATOM_BYTES, &tmap_a, bar, m0 + 64, t0);
             }
             const int tb = BLZ_PROBE_B_HOT ? (t0 & 4095) : t0;  // B's first slot
-            if constexpr (B_TMA && MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
-              constexpr int HA = BN / 128;
+            if (b_tma) {
+              if constexpr (MC == 2) {  // this CTA's half of the atoms, into both CTAs' stage
+                constexpr int HA = BN / 128;
 #pragma unroll
-              for (int a = 0; a < HA; ++a) {
-                const int at = static_cast<int>(rank) * HA + a;
-                sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, tb, 0x3);
+                for (int a = 0; a < HA; ++a) {
+                  const int at = static_cast<int>(rank) * HA + a;
+                  sm90::tma_load_2d_mc(bs + at * ATOM_BYTES, &tmap_b, bar, n0 + 64 * at, tb, 0x3);
+                }
+              } else {
+#pragma unroll
+                for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
+                  sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, tb);
               }
-            } else if constexpr (B_TMA) {
-#pragma unroll
-              for (int a = 0; a < BN / 64 / (BLZ_PROBE_HALF_B ? 2 : 1); ++a)
-                sm90::tma_load_2d(bs + a * ATOM_BYTES, &tmap_b, bar, n0 + 64 * a, tb);
             }
           }
         }
-        if constexpr (!A_TMA)
+        if (!a_tma)
           wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, A, a_colb, lda_b, a_off32, tok, t0, tend);
-        if constexpr (!B_TMA)
+        if (!b_tma)
           wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, B, b_colb, ldb_b, b_off32, tok, t0, tend);
+        if (tid == 0) BLZ_TL(OUT_T, 1, it);
         sm90::producer_signal<STAGES>(full0, it, stage);
         if (++stage == STAGES) {
           stage = 0;
@@ -285,6 +322,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
 
     int stage = 0;
     unsigned phase = 0;
+    int cit = 0;  // k-tiles consumed over all of the CTA's tiles (BLZ_PROBE_TIMELINE)
     float acc[BN / 2];  // no zero-fill before the mainloop (C7515): scale_d = 0 on the first wgmma
     // CARRY_IN (args.carry_in): continue the fp32 partial sums an earlier launch (chunk) left in carry, for experts
     // that had slots there (carry_seen); the first wgmma then accumulates onto them (scale_d = 1). Accumulators
@@ -303,6 +341,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
       float* cslice = carry + v * (BN / 2) * 256 + ct;  // this thread's column of the tile's slice
       const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
 
+#if !BLZ_WGRAD_SHORT_CP
       // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
       KTileWalk<BK> cwalk(kblocks, e, num_kblocks, w.slot_lo, w.slot_lo + (ANY_TMA ? w.cnt : 0));
       auto zero_tail = [&](unsigned long long soff, int) {
@@ -336,8 +375,13 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           }
         }
       };
+#else
+      sm90::NoPrep zero_tail;
+#endif
       sm90::consumer_mainloop<STAGES>(acc, full0, empty0, w.num_kt, t, C::STAGE_BYTES, stage, phase,
                                       [&](unsigned long long soff, int kt) {
+        if (tid == 128) BLZ_TL(OUT_T, 2, cit);
+        ++cit;
   #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,

@@ -29,6 +29,15 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_B_HOT
 #define BLZ_PROBE_B_HOT 0
 #endif
+// Timing probe only (wrong results), the weight gradients: every BLZ_PROBE_A_SKIP-th copy instruction of the gathered
+// rows left out (their rows stale), so the gathered bytes and copies fall by 1 / BLZ_PROBE_A_SKIP.
+#ifndef BLZ_PROBE_A_SKIP
+#define BLZ_PROBE_A_SKIP 0
+#endif
+// Timing probe (results unchanged), the weight gradients: k-tiles a CTA 0 records (moe_wgrad_sm90.cu); 0: none.
+#ifndef BLZ_PROBE_TIMELINE
+#define BLZ_PROBE_TIMELINE 0
+#endif
 // moe_dhcur_sm90 only: the epilogue warps' rows a step (1, 2 or 4).
 #ifndef BLZ_DH_ROWS
 #define BLZ_DH_ROWS 2

@@ -1,0 +1,123 @@
+"""Where a weight-gradient k-tile's time goes (GPU; timing probe, results unchanged): CTA 0's clocks a k-tile.
+
+Builds the weight-gradient kernels with ``-DBLZ_PROBE_TIMELINE=N`` (moe_wgrad_sm90.cu), runs the layer's
+forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bench_gemm's problem of a shape and token count) a few
+times, and reads back, for the last dw13 and dw2 launches, CTA 0's clock64 at three points of each of its first N
+k-tiles: the producer past the stage's empty wait (it starts the stage's copies), the producer done issuing them, and
+the consumers past the stage's full wait. From these, per k-tile: the consumers' cycle (full wait to full wait), how
+long after the producer started a stage the consumers had it ("fill"), and the producer's issue time. Each option set
+(``LABEL:NVRTC options``, e.g. ``noA:-DBLZ_PROBE_A_SKIP=1``: no gathered copies, wrong results) runs in the same
+process after the others.
+
+Usage (repository root): PYTHONPATH=.:adapters:app python scripts/probe_wgrad_timeline.py OUT.json \\
+    --set base: --set noA:-DBLZ_PROBE_A_SKIP=1 [--shapes qwen3,fine] [--tokens 128k] [--ktiles 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+_FILE = "moe_wgrad_sm90.cu"
+
+
+def _percentiles(v: list) -> dict:
+    if not v:
+        return {}
+    s = sorted(v)
+    pick = lambda q: s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]  # noqa: E731
+    return {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "mean": statistics.fmean(s)}
+
+
+def summarize(prod_start: list, prod_issued: list, cons_full: list, skip: int = 8) -> dict:
+    """Per-k-tile figures (SM cycles) from the three clock series of one launch; the first ``skip`` k-tiles (the
+    ring's first fill) are left out."""
+    n = min(len(prod_start), len(prod_issued), len(cons_full))
+    ks = range(skip, n)
+    cycle = [cons_full[k] - cons_full[k - 1] for k in ks if k > 0]
+    fill = [cons_full[k] - prod_start[k] for k in ks]
+    issue = [prod_issued[k] - prod_start[k] for k in ks]
+    # how far the producer ran ahead: the stage it starts while the consumers are at k-tile k
+    return {"ktiles": n - skip, "consumer_cycle": _percentiles(cycle), "fill": _percentiles(fill),
+            "producer_issue": _percentiles(issue)}
+
+
+def read_timelines(n: int, tag: str) -> dict:
+    """{kernel name expression: [3][n] clocks} of every loaded weight-gradient module built with option ``tag``
+    that recorded something."""
+    import cupy
+
+    from blazecore import _compile
+
+    out = {}
+    for key, mod in list(_compile._modules.items()):
+        if key[0] != _FILE or tag not in key[3]:
+            continue
+        ptr = mod.get_global_var("blz_wgrad_timeline")  # the device address
+        mem = cupy.cuda.UnownedMemory(int(ptr), 2 * 3 * n * 8, mod)
+        dev = cupy.ndarray((2, 3, n), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        arr = dev.get()
+        for form in range(2):
+            if arr[form, 2, :].any():
+                out[f"{key[1]} [form {form}]"] = arr[form].astype(int).tolist()
+        dev.fill(0)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--set", dest="sets", action="append", required=True, help="LABEL:NVRTC options")
+    ap.add_argument("--shapes", default="qwen3,fine")
+    ap.add_argument("--tokens", default="128k")
+    ap.add_argument("--ktiles", type=int, default=512)
+    args = ap.parse_args(argv)
+    sets = []
+    for spec in args.sets:
+        label, sep, opts = spec.partition(":")
+        if not label or not sep:
+            ap.error(f"--set {spec!r}: want LABEL:NVRTC options")
+        sets.append((label, opts.strip()))
+    if args.ktiles < 16:
+        ap.error("--ktiles: at least 16")
+
+    import torch
+    from blazecore_torch import ops
+
+    import bench.bench_gemm as bg
+    from bench import _common as common
+
+    L = common.parse_count(args.tokens)
+    tag = f"-DBLZ_PROBE_TIMELINE={args.ktiles}"
+    result: dict = {}
+    for shape in args.shapes.split(","):
+        d, h, E, K = bg.SHAPES[shape]
+        step = bg.blazecore_step(torch, ops, *bg._problem(torch, d, h, E, K, L))
+        for label, opts in sets:
+            os.environ["BLAZECORE_NVRTC_OPTIONS"] = f"{tag} {opts}".strip()
+            try:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                lines = read_timelines(args.ktiles, tag)
+                step()
+                torch.cuda.synchronize()
+                lines = read_timelines(args.ktiles, tag)
+            finally:
+                del os.environ["BLAZECORE_NVRTC_OPTIONS"]
+            for name, (p0, p1, c0) in lines.items():
+                s = summarize(p0, p1, c0)
+                result.setdefault(shape, {}).setdefault(label, {})[name] = {"summary": s, "clocks": [p0, p1, c0]}
+                print(shape, label, name, json.dumps(s), flush=True)
+    header = {**common.gpu_header(), "bench": "probe_wgrad_timeline", "tokens": L, "ktiles": args.ktiles,
+              "sets": dict(sets)}
+    with open(args.out, "w") as f:
+        json.dump({"header": header, "timelines": result}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
