@@ -40,9 +40,12 @@ def summarize(prod_start: list, prod_issued: list, cons_full: list, skip: int = 
     cycle = [cons_full[k] - cons_full[k - 1] for k in ks if k > 0]
     fill = [cons_full[k] - prod_start[k] for k in ks]
     issue = [prod_issued[k] - prod_start[k] for k in ks]
-    # how far the producer ran ahead: the stage it starts while the consumers are at k-tile k
+    # the long cycles (over 1.3x the median): their count and the share of the consumers' time above the median
+    med = statistics.median(cycle) if cycle else 0
+    long = [c for c in cycle if c > 1.3 * med]
     return {"ktiles": n - skip, "consumer_cycle": _percentiles(cycle), "fill": _percentiles(fill),
-            "producer_issue": _percentiles(issue)}
+            "producer_issue": _percentiles(issue), "long_cycles": len(long),
+            "long_share": sum(c - med for c in long) / sum(cycle) if cycle else 0.0}
 
 
 def read_timelines(n: int, tag: str) -> dict:

@@ -135,3 +135,40 @@ def test_time_in_rounds_alternates_the_runs_under_their_contexts():
     assert out == {"gemm": {"a": [1.0, 2.0, 3.0], "bb": [2.0, 3.0, 4.0]},
                    "layer": {"a": [10.0, 11.0, 12.0], "bb": [10.0, 11.0, 12.0]}}
     assert active == []
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _SCRIPT.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_table_ratios_and_control():
+    # set b is 10% slower than a on every GEMM in round 2 (a clock drift) and 2% faster on dw13 besides
+    t = _load("ab_table")
+    res = {"ms": {"s": {"dw13": {"a": [1.0, 1.0, 1.0], "b": [0.98, 0.98 * 1.1, 0.98]},
+                        "gemm1": {"a": [2.0, 2.0, 2.0], "b": [2.0, 2.2, 2.0]},
+                        "layer": {"a": [10.0, 10.0, 10.0], "b": [10.0, 11.0, 10.0]}}}}
+    plain = t.table(res, ["dw13", "layer"]).splitlines()
+    assert plain[0] == "| shape | GEMM | a | b | b / a |"
+    assert plain[2] == "| s | dw13 | 1.000, 1.000, 1.000 | 0.980, 1.078, 0.980 | 0.980 |"
+    ctl = t.table(res, ["dw13", "layer"], control=["gemm1"]).splitlines()
+    assert ctl[2].endswith("| 0.980 |") and ctl[3].endswith("| 1.000 |")  # every round 0.98 once the drift is out
+    res["ms"]["s"]["dw13"]["b"][0] = 0.5
+    assert t.table(res, ["dw13"], control=["gemm1"]).splitlines()[2].endswith("| 0.980 |")  # the median round
+
+
+def test_wgrad_timeline_summary():
+    # a consumer cycle of 1000 clocks with one stall of 3000 at k-tile 12; stages started 2000 before they are taken
+    t = _load("probe_wgrad_timeline")
+    c0 = [1000 * k + (2000 if k >= 12 else 0) for k in range(20)]
+    p0 = [c - 2000 for c in c0]
+    p1 = [p + 300 for p in p0]
+    s = t.summarize(p0, p1, c0, skip=8)
+    assert s["ktiles"] == 12
+    assert s["consumer_cycle"]["p50"] == 1000 and s["consumer_cycle"]["p90"] == 1000
+    assert max(c0[k] - c0[k - 1] for k in range(9, 20)) == 3000
+    assert s["fill"] == {"p10": 2000, "p50": 2000, "p90": 2000, "mean": 2000.0}
+    assert s["producer_issue"]["mean"] == 300.0
+    assert s["long_cycles"] == 1 and abs(s["long_share"] - 2000 / 14000) < 1e-12  # 12 cycles, one of 3000
