@@ -1,16 +1,19 @@
-"""Where a weight-gradient k-tile's time goes (GPU; timing probe, results unchanged): CTA 0's clocks a k-tile.
+"""Where a weight-gradient or dh' k-tile's time goes (GPU; timing probe, results unchanged): CTA 0's clocks a k-tile.
 
-Builds the weight-gradient kernels with ``-DBLZ_PROBE_TIMELINE=N`` (moe_wgrad_sm90.cu), runs the layer's
-forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bench_gemm's problem of a shape and token count) a few
-times, and reads back, for the last dw13 and dw2 launches, CTA 0's clock64 at three points of each of its first N
-k-tiles: the producer past the stage's empty wait (it starts the stage's copies), the producer done issuing them, and
-the consumers past the stage's full wait. From these, per k-tile: the consumers' cycle (full wait to full wait), how
-long after the producer started a stage the consumers had it ("fill"), and the producer's issue time. Each option set
-(``LABEL:NVRTC options``, e.g. ``noA:-DBLZ_PROBE_A_SKIP=1``: no gathered copies, wrong results) runs in the same
-process after the others.
+Builds the kernels with ``-DBLZ_PROBE_TIMELINE=N`` (moe_wgrad_sm90.cu; ``--kernel dh``: moe_dhcur_sm90.cu), runs the
+layer's forward+backward through ``blazecore_torch.moe_ffn`` ("ab", bench_gemm's problem of a shape and token count)
+a few times, and reads back, for the last dw13 and dw2 launches (``--kernel dh``: the last dh' launch), CTA 0's
+clock64 at three points of each of its first N k-tiles: the producer past the stage's empty wait (it starts the
+stage's copies), the producer done issuing them, and the consumers past the stage's full wait. From these, per
+k-tile: the consumers' cycle (full wait to full wait), how long after the producer started a stage the consumers had it
+("fill"), and the producer's issue time; for dh' also, by tile, the consumers' wait for the epilogue warps to have
+read the previous tile's dh', epilogue warp 0's time on the tile's rows, and the tile's span. Each option set
+(``LABEL:NVRTC options``, e.g. ``noA:-DBLZ_PROBE_A_SKIP=1``: no gathered copies in the weight gradients, wrong
+results) runs in the same process after the others.
 
 Usage (repository root): PYTHONPATH=.:adapters:app python scripts/probe_wgrad_timeline.py OUT.json \\
-    --set base: --set noA:-DBLZ_PROBE_A_SKIP=1 [--shapes qwen3,fine] [--tokens 128k] [--ktiles 512]
+    --set base: [--set noA:-DBLZ_PROBE_A_SKIP=1] [--kernel wgrad|dh] [--shapes qwen3,fine] [--tokens 128k] \\
+    [--ktiles 512]
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import os
 import statistics
 import sys
 
-_FILE = "moe_wgrad_sm90.cu"
+# kernel: (source, its timeline's symbol, the timeline's leading dimensions before the k-tile index)
+KERNELS = {"wgrad": ("moe_wgrad_sm90.cu", "blz_wgrad_timeline", (2, 3)),
+           "dh": ("moe_dhcur_sm90.cu", "blz_dh_timeline", (7,))}
 
 
 def _percentiles(v: list) -> dict:
@@ -48,24 +53,45 @@ def summarize(prod_start: list, prod_issued: list, cons_full: list, skip: int = 
             "long_share": sum(c - med for c in long) / sum(cycle) if cycle else 0.0}
 
 
-def read_timelines(n: int, tag: str) -> dict:
-    """{kernel name expression: [3][n] clocks} of every loaded weight-gradient module built with option ``tag``
-    that recorded something."""
+def summarize_dh(rows: list) -> dict:
+    """:func:`summarize` of dh''s k-tiles plus its tiles' figures (SM cycles) from its seven clock series: the
+    consumers' wait for the epilogue warps to have read the previous tile's dh' (their mainloop done to past that
+    wait), epilogue warp 0's time on a tile's rows, and a tile's span from one mainloop end to the next."""
+    p0, p1, c0, main_end, dh_free, epi_start, epi_end = rows
+    n_t = sum(1 for v in main_end if v)
+    tiles = range(1, n_t)
+    out = summarize(p0, p1, c0)
+    out.update({"tiles": n_t - 1, "consumer_wait_dh": _percentiles([dh_free[i] - main_end[i] for i in tiles]),
+                "epilogue_rows": _percentiles([epi_end[i] - epi_start[i] for i in tiles if epi_end[i]]),
+                "tile_span": _percentiles([main_end[i] - main_end[i - 1] for i in tiles])})
+    return out
+
+
+def read_timelines(n: int, tag: str, kernel: str = "wgrad") -> dict:
+    """{kernel name expression (and form): clock series} of every loaded module of ``kernel`` built with option
+    ``tag`` that recorded something; the device copies are zeroed after the read."""
     import cupy
 
     from blazecore import _compile
 
+    fname, symbol, shape = KERNELS[kernel]
     out = {}
     for key, mod in list(_compile._modules.items()):
-        if key[0] != _FILE or tag not in key[3]:
+        if key[0] != fname or tag not in key[3]:
             continue
-        ptr = mod.get_global_var("blz_wgrad_timeline")  # the device address
-        mem = cupy.cuda.UnownedMemory(int(ptr), 2 * 3 * n * 8, mod)
-        dev = cupy.ndarray((2, 3, n), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        ptr = mod.get_global_var(symbol)  # the device address
+        count = 8 * n
+        for dim in shape:
+            count *= dim
+        mem = cupy.cuda.UnownedMemory(int(ptr), count, mod)
+        dev = cupy.ndarray((*shape, n), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(mem, 0))
         arr = dev.get()
-        for form in range(2):
-            if arr[form, 2, :].any():
-                out[f"{key[1]} [form {form}]"] = arr[form].astype(int).tolist()
+        if kernel == "wgrad":
+            for form in range(2):
+                if arr[form, 2, :].any():
+                    out[f"{key[1]} [form {form}]"] = arr[form].astype(int).tolist()
+        elif arr[2, :].any():
+            out[key[1]] = arr.astype(int).tolist()
         dev.fill(0)
     return out
 
@@ -77,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="qwen3,fine")
     ap.add_argument("--tokens", default="128k")
     ap.add_argument("--ktiles", type=int, default=512)
+    ap.add_argument("--kernel", choices=sorted(KERNELS), default="wgrad")
     args = ap.parse_args(argv)
     sets = []
     for spec in args.sets:
@@ -105,17 +132,18 @@ def main(argv=None) -> int:
                 for _ in range(3):
                     step()
                 torch.cuda.synchronize()
-                lines = read_timelines(args.ktiles, tag)
+                lines = read_timelines(args.ktiles, tag, args.kernel)
                 step()
                 torch.cuda.synchronize()
-                lines = read_timelines(args.ktiles, tag)
+                lines = read_timelines(args.ktiles, tag, args.kernel)
             finally:
                 del os.environ["BLAZECORE_NVRTC_OPTIONS"]
-            for name, (p0, p1, c0) in lines.items():
-                s = summarize(p0, p1, c0)
-                result.setdefault(shape, {}).setdefault(label, {})[name] = {"summary": s, "clocks": [p0, p1, c0]}
+            for name, rows in lines.items():
+                s = summarize(*rows) if args.kernel == "wgrad" else summarize_dh(rows)
+                result.setdefault(shape, {}).setdefault(label, {})[name] = {"summary": s, "clocks": rows}
                 print(shape, label, name, json.dumps(s), flush=True)
-    header = {**common.gpu_header(), "bench": "probe_wgrad_timeline", "tokens": L, "ktiles": args.ktiles,
+    header = {**common.gpu_header(), "bench": "probe_wgrad_timeline", "kernel": args.kernel, "tokens": L,
+              "ktiles": args.ktiles,
               "sets": dict(sets)}
     with open(args.out, "w") as f:
         json.dump({"header": header, "timelines": result}, f)

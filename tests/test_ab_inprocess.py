@@ -172,3 +172,18 @@ def test_wgrad_timeline_summary():
     assert s["fill"] == {"p10": 2000, "p50": 2000, "p90": 2000, "mean": 2000.0}
     assert s["producer_issue"]["mean"] == 300.0
     assert s["long_cycles"] == 1 and abs(s["long_share"] - 2000 / 14000) < 1e-12  # 12 cycles, one of 3000
+
+
+def test_dh_timeline_summary():
+    # 3 tiles of 20 k-tiles at 1000 clocks; the consumers wait 500 for the epilogue warps at each tile's end, whose
+    # rows take 4000
+    t = _load("probe_wgrad_timeline")
+    c0 = [1000 * k for k in range(60)]
+    p0, p1 = [c - 2000 for c in c0], [c - 1500 for c in c0]
+    main_end = [20000 * (i + 1) + 500 * i for i in range(3)] + [0] * 57
+    dh_free = [m + 500 if m else 0 for m in main_end]
+    epi_start = [f + 100 if f else 0 for f in dh_free]
+    epi_end = [s + 4000 if s else 0 for s in epi_start]
+    s = t.summarize_dh([p0, p1, c0, main_end, dh_free, epi_start, epi_end])
+    assert s["tiles"] == 2 and s["consumer_wait_dh"]["p50"] == 500 and s["epilogue_rows"]["mean"] == 4000.0
+    assert s["tile_span"]["p50"] == 20500 and s["fill"]["p50"] == 2000 and s["producer_issue"]["p50"] == 500

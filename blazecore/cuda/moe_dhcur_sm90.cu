@@ -51,6 +51,25 @@
 // every epilogue result have the same bits as the EW = 3 form.
 #include "sm90_common.cuh"
 
+#if BLZ_PROBE_TIMELINE
+// Timing probe (results unchanged): CTA 0 of the last launch records the SM clock (clock64). By k-tile (its first
+// BLZ_PROBE_TIMELINE): [0] the copy warps' thread 0 past the stage's empty wait, [1] its copies and B's TMA issued,
+// [2] the consumers past the stage's full wait; by tile: [3] the consumers done with the mainloop, [4] past their wait
+// for the epilogue warps to have read the previous tile's dh', [5] epilogue warp 0 past its dh' wait, [6] done with the
+// tile's rows (read back by scripts/probe_wgrad_timeline.py --kernel dh).
+extern "C" {
+__device__ unsigned long long blz_dh_timeline[7][BLZ_PROBE_TIMELINE];
+}
+#define BLZ_DTL(what, k)                                                                                   \
+  do {                                                                                                     \
+    if (blockIdx.x == 0 && (k) < BLZ_PROBE_TIMELINE) blz_dh_timeline[what][k] = clock64();                \
+  } while (0)
+#else
+#define BLZ_DTL(what, k) \
+  do {                   \
+  } while (0)
+#endif
+
 namespace blz {
 
 // Arguments: MGroupedArgs (moe_args.cuh) as moe_gemm_sm90's EPI_DHCUR takes them (A = dy gathered through slot_token,
@@ -156,6 +175,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
       const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, true, true, m0 + r0, 4, m_end, cc * EPC);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         if (it >= C::STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
+        if (tid == 0) BLZ_DTL(0, it);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
         const int k0 = kt * BK;
         const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);
@@ -186,6 +206,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
           }
         }
         sm90::cp_async_arrive_noinc(full0 + 8 * stage);
+        if (tid == 0) BLZ_DTL(1, it);
         if (++stage == C::STAGES) {
           stage = 0;
           phase ^= 1u;
@@ -335,12 +356,14 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
         }
       };
       sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
+      if (w == 0 && lane == 0) BLZ_DTL(5, li);
       if (BLZ_PROBE_EPI != 2) {
         int j = 0;
         for (; j + RS <= nj; j += RS) step(j, sm90::IntC<RS>());
         for (; j < nj; ++j) step(j, sm90::IntC<1>());
       }
       sm90::mbar_arrive(dh_empty);  // this thread's part of dh' is read: the consumers may rewrite it
+      if (w == 0 && lane == 0) BLZ_DTL(6, li);
     }
   }
   } else {
@@ -364,12 +387,15 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
     const unsigned a_row_off = static_cast<unsigned>((cw * 64 + (t >> 5) * 16 + (a_q & 1) * 8 + a_r) * sm90::ROW_BYTES);
     constexpr unsigned B_HALF = (16 * 1024) >> 4;  // the B tile's columns [128, 256): 2 atoms / 128 rows on, encoded
     unsigned af[BK / 16][4];                       // WIDE: the k-tile's A registers
+    int cit = 0;                                   // k-tiles consumed over the CTA's tiles (BLZ_PROBE_TIMELINE)
     // WIDE: the k-tile's A fragments by ldmatrix after its stage's wait (consumer_mainloop's prep step), then two
     // m64n128k16 a k16 step on the B tile's column halves; INFLIGHT 0: the k-tile's wgmmas are done before its A
     // registers are rewritten (the other warpgroup's keep the tensor cores busy meanwhile; two register sets, one
     // k-tile in flight, need more registers than the 176 the consumers have: ptxas serializes the wgmmas), and every
     // consumer thread releases the stage it read itself
     auto wide_prep = [&](unsigned long long soff, int) {
+      if (tid == 128) BLZ_DTL(2, cit);
+      ++cit;
       const unsigned st = sbase + (static_cast<unsigned>(soff) << 4) + a_row_off;
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks) sm90::ldmatrix_x4_s(af[ks], st + (((2 * ks + (a_q >> 1)) ^ a_r) << 4));
@@ -387,6 +413,8 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
       const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
       if (ti.x == ~0u) break;
       auto issue = [&](unsigned long long soff, int kt) {
+        if (tid == 128) BLZ_DTL(2, cit);
+        ++cit;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<B_KMAJOR ? 0 : 1>(acc, da0 + soff + ks * 2, db0 + soff + ks * B_KSTEP,
@@ -401,7 +429,9 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
             acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
       }
       // dh' to shared memory once the producer has read the previous tile's
+      if (tid == 128) BLZ_DTL(3, li);
       if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
+      if (tid == 128) BLZ_DTL(4, li);
       const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
