@@ -252,9 +252,9 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
         // BLZ_WGRAD_SHORT_CP: a reduction tile shorter than BK (a token block's or the expert's last) comes by
         // cp.async, whose zero fill stops at the tile's end. A TMA box always holds BK slots and brings in the next
-        // ones (the next block's or the next expert's rows), which the consumers then zero (zero_tail below), all 256
-        // of them between two named barriers while the tensor cores wait. Both CTAs of a cluster reduce the same
-        // slots, so they take the cp.async path at the same k-tiles and neither multicasts there.
+        // ones (the next block's or the next expert's rows), which the consumers then zero (zero_tail below: all 256
+        // of them, a proxy fence and a named barrier) while the tensor cores wait. Both CTAs of a cluster reduce the
+        // same slots, so they take the cp.async path at the same k-tiles and neither multicasts there.
         const bool part = BLZ_WGRAD_SHORT_CP && tend - t0 < BK;
         const bool a_tma = A_TMA && !part, b_tma = B_TMA && !part;
         if constexpr (ANY_TMA) {
