@@ -14,7 +14,14 @@ import sys
 
 
 def table(result: dict, gemms=None, sets=None, control=None) -> str:
+    """The markdown table (see the module's docstring); ValueError for a set or GEMM name the result does not hold."""
     ms = result["ms"]
+    for shape, by_gemm in ms.items():
+        have_sets = set(next(iter(by_gemm.values())))
+        bad = [g for g in (control or []) if g not in by_gemm] + [s for s in (sets or []) if s not in have_sets]
+        if bad:
+            raise ValueError(f"{shape}: no set or GEMM {', '.join(bad)} in the result (sets {sorted(have_sets)}, "
+                             f"GEMMs {sorted(by_gemm)})")
     lines = []
     for shape, by_gemm in ms.items():
         names = list(by_gemm) if not gemms else [g for g in gemms if g in by_gemm]
@@ -50,7 +57,10 @@ def main(argv=None) -> int:
     with open(args.result) as f:
         result = json.load(f)
     split = lambda s: [w for w in s.split(",") if w] or None  # noqa: E731
-    print(table(result, split(args.gemms), split(args.sets), split(args.control)))
+    try:
+        print(table(result, split(args.gemms), split(args.sets), split(args.control)))
+    except ValueError as exc:
+        ap.error(str(exc))
     return 0
 
 

@@ -120,10 +120,14 @@ def main(argv=None) -> int:
     import bench.bench_gemm as bg
     from bench import _common as common
 
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in bg.SHAPES]
+    if bad or not shapes:
+        ap.error(f"--shapes: unknown {', '.join(bad) or '(none given)'}; known {', '.join(bg.SHAPES)}")
     L = common.parse_count(args.tokens)
     tag = f"-DBLZ_PROBE_TIMELINE={args.ktiles}"
     result: dict = {}
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         d, h, E, K = bg.SHAPES[shape]
         step = bg.blazecore_step(torch, ops, *bg._problem(torch, d, h, E, K, L))
         for label, opts in sets:

@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ab_inprocess.py"
-_spec = importlib.util.spec_from_file_location("ab_inprocess", _SCRIPT)
-ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
+_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, _SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ab = _load("ab_inprocess")
 
 
 def test_parse_set_forms():
@@ -137,13 +145,6 @@ def test_time_in_rounds_alternates_the_runs_under_their_contexts():
     assert active == []
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, _SCRIPT.parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_ab_table_ratios_and_control():
     # set b is 10% slower than a on every GEMM in round 2 (a clock drift) and 2% faster on dw13 besides
     t = _load("ab_table")
@@ -187,3 +188,12 @@ def test_dh_timeline_summary():
     s = t.summarize_dh([p0, p1, c0, main_end, dh_free, epi_start, epi_end])
     assert s["tiles"] == 2 and s["consumer_wait_dh"]["p50"] == 500 and s["epilogue_rows"]["mean"] == 4000.0
     assert s["tile_span"]["p50"] == 20500 and s["fill"]["p50"] == 2000 and s["producer_issue"]["p50"] == 500
+
+
+def test_ab_table_refuses_unknown_names():
+    t = _load("ab_table")
+    res = {"ms": {"s": {"dw13": {"a": [1.0], "b": [1.0]}}}}
+    with pytest.raises(ValueError, match="no set or GEMM c"):
+        t.table(res, sets=["a", "c"])
+    with pytest.raises(ValueError, match="no set or GEMM gemm9"):
+        t.table(res, control=["gemm9"])

@@ -60,14 +60,6 @@
 extern "C" {
 __device__ unsigned long long blz_dh_timeline[7][BLZ_PROBE_TIMELINE];
 }
-#define BLZ_DTL(what, k)                                                                                   \
-  do {                                                                                                     \
-    if (blockIdx.x == 0 && (k) < BLZ_PROBE_TIMELINE) blz_dh_timeline[what][k] = clock64();                \
-  } while (0)
-#else
-#define BLZ_DTL(what, k) \
-  do {                   \
-  } while (0)
 #endif
 
 namespace blz {
@@ -175,7 +167,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
       const unsigned a_ok = sm90::row_sources(a_src, A, lda, slot_token, true, true, m0 + r0, 4, m_end, cc * EPC);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         if (it >= C::STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
-        if (tid == 0) BLZ_DTL(0, it);
+        if (tid == 0) BLZ_TIMELINE_MARK(blz_dh_timeline[0][it], it);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
         const int k0 = kt * BK;
         const unsigned kb = static_cast<unsigned>(k0) * sizeof(T);
@@ -206,7 +198,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
           }
         }
         sm90::cp_async_arrive_noinc(full0 + 8 * stage);
-        if (tid == 0) BLZ_DTL(1, it);
+        if (tid == 0) BLZ_TIMELINE_MARK(blz_dh_timeline[1][it], it);
         if (++stage == C::STAGES) {
           stage = 0;
           phase ^= 1u;
@@ -356,14 +348,14 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
         }
       };
       sm90::mbar_wait(dh_full, static_cast<unsigned>(li) & 1u);
-      if (w == 0 && lane == 0) BLZ_DTL(5, li);
+      if (w == 0 && lane == 0) BLZ_TIMELINE_MARK(blz_dh_timeline[5][li], li);
       if (BLZ_PROBE_EPI != 2) {
         int j = 0;
         for (; j + RS <= nj; j += RS) step(j, sm90::IntC<RS>());
         for (; j < nj; ++j) step(j, sm90::IntC<1>());
       }
       sm90::mbar_arrive(dh_empty);  // this thread's part of dh' is read: the consumers may rewrite it
-      if (w == 0 && lane == 0) BLZ_DTL(6, li);
+      if (w == 0 && lane == 0) BLZ_TIMELINE_MARK(blz_dh_timeline[6][li], li);
     }
   }
   } else {
@@ -394,7 +386,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
     // k-tile in flight, need more registers than the 176 the consumers have: ptxas serializes the wgmmas), and every
     // consumer thread releases the stage it read itself
     auto wide_prep = [&](unsigned long long soff, int) {
-      if (tid == 128) BLZ_DTL(2, cit);
+      if (tid == 128) BLZ_TIMELINE_MARK(blz_dh_timeline[2][cit], cit);
       ++cit;
       const unsigned st = sbase + (static_cast<unsigned>(soff) << 4) + a_row_off;
 #pragma unroll
@@ -413,7 +405,7 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
       const uint4 ti = sm90::ld_shared_v4(info0 + 16 * (li % sm90::INFO_SLOTS));
       if (ti.x == ~0u) break;
       auto issue = [&](unsigned long long soff, int kt) {
-        if (tid == 128) BLZ_DTL(2, cit);
+        if (tid == 128) BLZ_TIMELINE_MARK(blz_dh_timeline[2][cit], cit);
         ++cit;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)
@@ -429,9 +421,9 @@ __global__ void __launch_bounds__(EW == 3 ? sm90::THREADS : sm90::THREADS + 128,
             acc, full0, empty0, num_kt, t, C::STAGE_BYTES, stage, phase, issue, /*keep_acc=*/true);
       }
       // dh' to shared memory once the producer has read the previous tile's
-      if (tid == 128) BLZ_DTL(3, li);
+      if (tid == 128) BLZ_TIMELINE_MARK(blz_dh_timeline[3][li], li);
       if (li > 0) sm90::mbar_wait(dh_empty, static_cast<unsigned>(li - 1) & 1u);
-      if (tid == 128) BLZ_DTL(4, li);
+      if (tid == 128) BLZ_TIMELINE_MARK(blz_dh_timeline[4][li], li);
       const int rr = cw * 64 + sm90::acc_row(0, t), c0 = sm90::acc_col(0, t);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

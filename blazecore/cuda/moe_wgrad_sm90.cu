@@ -13,14 +13,6 @@
 extern "C" {
 __device__ unsigned long long blz_wgrad_timeline[2][3][BLZ_PROBE_TIMELINE];
 }
-#define BLZ_TL(form, what, k)                                                                              \
-  do {                                                                                                     \
-    if (blockIdx.x == 0 && (k) < BLZ_PROBE_TIMELINE) blz_wgrad_timeline[form][what][k] = clock64();       \
-  } while (0)
-#else
-#define BLZ_TL(form, what, k) \
-  do {                        \
-  } while (0)
 #endif
 
 namespace blz {
@@ -248,7 +240,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           if (kt + 1 < num_kt) tok_next = gather_row(walk.t0, walk.end());  // prefetch one k-tile ahead
         }
         if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
-        if (tid == 0) BLZ_TL(OUT_T, 0, it);
+        if (tid == 0) BLZ_TIMELINE_MARK(blz_wgrad_timeline[OUT_T][0][it], it);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
         // BLZ_WGRAD_SHORT_CP: a reduction tile shorter than BK (a token block's or the expert's last) comes by
         // cp.async, whose zero fill stops at the tile's end. A TMA box always holds BK slots and brings in the next
@@ -289,7 +281,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           wgrad_copy_rows<RPA, ROWS_W, A_GATHER>(as, a_dst, ra, rw, a_cok, A, a_colb, lda_b, a_off32, tok, t0, tend);
         if (!b_tma)
           wgrad_copy_rows<RPB, ROWS_W, B_GATHER>(bs, b_dst, rb, rw, b_cok, B, b_colb, ldb_b, b_off32, tok, t0, tend);
-        if (tid == 0) BLZ_TL(OUT_T, 1, it);
+        if (tid == 0) BLZ_TIMELINE_MARK(blz_wgrad_timeline[OUT_T][1][it], it);
         sm90::producer_signal<STAGES>(full0, it, stage);
         if (++stage == STAGES) {
           stage = 0;
@@ -380,7 +372,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
 #endif
       sm90::consumer_mainloop<STAGES>(acc, full0, empty0, w.num_kt, t, C::STAGE_BYTES, stage, phase,
                                       [&](unsigned long long soff, int kt) {
-        if (tid == 128) BLZ_TL(OUT_T, 2, cit);
+        if (tid == 128) BLZ_TIMELINE_MARK(blz_wgrad_timeline[OUT_T][2][cit], cit);
         ++cit;
   #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks)

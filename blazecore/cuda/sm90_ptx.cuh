@@ -34,9 +34,21 @@ __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src, int 
 #ifndef BLZ_PROBE_A_SKIP
 #define BLZ_PROBE_A_SKIP 0
 #endif
-// Timing probe (results unchanged), the weight gradients: k-tiles a CTA 0 records (moe_wgrad_sm90.cu); 0: none.
+// Timing probe (results unchanged), the weight gradients and dh': how many k-tiles (and tiles) CTA 0 records in its
+// kernel's timeline array (moe_wgrad_sm90.cu, moe_dhcur_sm90.cu); 0: none. BLZ_TIMELINE_MARK(cell, k) writes the SM
+// clock into the array's cell for entry k; without the probe it is nothing (the array does not exist).
 #ifndef BLZ_PROBE_TIMELINE
 #define BLZ_PROBE_TIMELINE 0
+#endif
+#if BLZ_PROBE_TIMELINE
+#define BLZ_TIMELINE_MARK(cell, k)                                           \
+  do {                                                                       \
+    if (blockIdx.x == 0 && (k) < BLZ_PROBE_TIMELINE) (cell) = clock64();     \
+  } while (0)
+#else
+#define BLZ_TIMELINE_MARK(cell, k) \
+  do {                             \
+  } while (0)
 #endif
 // moe_dhcur_sm90 only: the epilogue warps' rows a step (1, 2 or 4).
 #ifndef BLZ_DH_ROWS
