@@ -1,9 +1,9 @@
 #include "sm90_common.cuh"
 
-// BLZ_WGRAD_SHORT_CP = 1: a reduction tile shorter than BK comes by cp.async even where the slot-indexed operand
-// otherwise comes by TMA (see the producer); 0 (default): by TMA, the box's rows past the tile zeroed by the consumers.
+// BLZ_WGRAD_SHORT_CP = 1 (default): a reduction tile shorter than BK comes by cp.async even where the slot-indexed
+// operand otherwise comes by TMA (see the producer); 0: by TMA, the box's rows past the tile zeroed by the consumers.
 #ifndef BLZ_WGRAD_SHORT_CP
-#define BLZ_WGRAD_SHORT_CP 0
+#define BLZ_WGRAD_SHORT_CP 1
 #endif
 
 #if BLZ_PROBE_TIMELINE
