@@ -6,11 +6,12 @@
 #define BLZ_WGRAD_SHORT_CP 1
 #endif
 
-// BLZ_WGRAD_TILE_AHEAD = 1 (default): each role decodes its next tile (tile_of; the producer also its reduction
-// tiles' walk and first gather indices) during the current tile, after its first k-tile (consumers: second), and
-// counts a tile's k-tiles a warp at a time (ktile_count_warp); 0: at the tile's start, block by block.
+// BLZ_WGRAD_TILE_AHEAD = 1: each role decodes its next tile (tile_of; the producer also its reduction
+// tiles' walk and first gather indices) during the current tile, after its first k-tile (consumers: before their
+// second), and counts a tile's k-tiles a warp at a time (ktile_count_warp); 2: at the tile's start, counted a warp at
+// a time; 0 (default): at the tile's start, block by block.
 #ifndef BLZ_WGRAD_TILE_AHEAD
-#define BLZ_WGRAD_TILE_AHEAD 1
+#define BLZ_WGRAD_TILE_AHEAD 0
 #endif
 
 #if BLZ_PROBE_TIMELINE
@@ -187,7 +188,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     w.slot_lo = __ldg(offsets + w.e);
     w.cnt = __ldg(offsets + w.e + 1) - w.slot_lo;  // the expert's slots = the reduction length
     // tiles of KTileWalk (TILE_AHEAD: by the whole warp, every lane of which calls tile_of)
-    w.num_kt = BLZ_WGRAD_TILE_AHEAD ? ktile_count_warp<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt)
+    w.num_kt = BLZ_WGRAD_TILE_AHEAD != 0 ? ktile_count_warp<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt)
                                     : ktile_count<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);
     return w;
   };
@@ -310,7 +311,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           stage = 0;
           phase ^= 1u;
         }
-        if (BLZ_WGRAD_TILE_AHEAD && kt == 0) {
+        if (BLZ_WGRAD_TILE_AHEAD == 1 && kt == 0) {
           decode(v + tile_step, wn, walkn, tokn);
           ahead = true;
         }
@@ -418,8 +419,12 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                  carry_in || (kt | ks) != 0);
-        if (BLZ_WGRAD_TILE_AHEAD && kt == 1) next();
-      }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
+      }, carry_in, [&](unsigned long long soff, int kt) {
+        zero_tail(soff, kt);
+        // before the k-tile's wgmmas, while the previous one's run: code between a k-tile's wgmmas and their commit
+        // makes ptxas wait for the wgmmas in flight there (C7519)
+        if (BLZ_WGRAD_TILE_AHEAD == 1 && kt == 1) next();
+      }, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
       if (!ahead) next();
       // (an expert without slots leaves zero accumulators, or the carried sums)
       if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
