@@ -222,24 +222,6 @@ __device__ __forceinline__ int ktile_count(const int* blk, int e, int nblocks, i
   return n;
 }
 
-// ktile_count by a whole warp (every lane calls it, converged; all get the count): lane b reads block b's bounds, so
-// the loads of up to 32 blocks are one round trip instead of a chain of them.
-template <int BK>
-__device__ __forceinline__ int ktile_count_warp(const int* blk, int e, int nblocks, int lo, int hi) {
-  if (nblocks <= 1) return (hi - lo + BK - 1) / BK;
-  const int* bs = blk + (long long)e * nblocks;
-  const int lane = threadIdx.x & 31;
-  int n = 0;
-  for (int b0 = 0; b0 < nblocks; b0 += 32) {
-    const int b = b0 + lane;
-    if (b < nblocks) {
-      const int start = __ldg(bs + b), end = (b + 1 < nblocks) ? __ldg(bs + b + 1) : hi;
-      n += (end - start + BK - 1) / BK;
-    }
-  }
-  return __reduce_add_sync(0xffffffffu, n);
-}
-
 // ---- epilogue math shared by the mma.sync and wgmma GEMMs ------------------------------------------
 // Each call handles one accumulator pair: row (slot) s, adjacent output columns n, n+1.
 

@@ -6,14 +6,6 @@
 #define BLZ_WGRAD_SHORT_CP 1
 #endif
 
-// BLZ_WGRAD_TILE_AHEAD = 1: each role decodes its next tile (tile_of; the producer also its reduction
-// tiles' walk and first gather indices) during the current tile, after its first k-tile (consumers: before their
-// second), and counts a tile's k-tiles a warp at a time (ktile_count_warp); 2: at the tile's start, counted a warp at
-// a time; 0 (default): at the tile's start, block by block.
-#ifndef BLZ_WGRAD_TILE_AHEAD
-#define BLZ_WGRAD_TILE_AHEAD 0
-#endif
-
 #if BLZ_PROBE_TIMELINE
 // Timing probe (results unchanged): CTA 0 of the last launch of each OUT_T form records the SM clock (clock64) of its
 // first BLZ_PROBE_TIMELINE k-tiles: [0] the producer past the stage's empty wait, [1] its copies issued, [2] the
@@ -187,9 +179,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
     w.n0 = (local / gsz) * BN;
     w.slot_lo = __ldg(offsets + w.e);
     w.cnt = __ldg(offsets + w.e + 1) - w.slot_lo;  // the expert's slots = the reduction length
-    // tiles of KTileWalk (TILE_AHEAD: by the whole warp, every lane of which calls tile_of)
-    w.num_kt = BLZ_WGRAD_TILE_AHEAD != 0 ? ktile_count_warp<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt)
-                                    : ktile_count<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);
+    w.num_kt = ktile_count<BK>(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);  // tiles of KTileWalk
     return w;
   };
 
@@ -228,34 +218,20 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
 
     int stage = 0, it = 0;  // ring position; k-tiles issued over all of the CTA's tiles
     unsigned phase = 0;
-    // gather index of k-row rw + lane % 16 of the reduction tile [t0, tend) (-1 past it)
-    auto gather_row = [&](int t0, int tend) -> int {
-      const int s = t0 + rw + (lane & 15);
-      return s < tend ? __ldg(slot_token + s) : -1;
-    };
-    // tile vv's decode: the tile, its reduction tiles [t0, end()) in order, the gather indices of its first
-    auto decode = [&](long long vv, Tile& dw, KTileWalk<BK>& dwalk, int& dtok) {
-      if (vv >= num_tiles) return;
-      dw = tile_of(vv);
-      dwalk = KTileWalk<BK>(kblocks, dw.e, num_kblocks, dw.slot_lo, dw.slot_lo + dw.cnt);
-      dtok = ((A_GATHER || B_GATHER) && dw.num_kt > 0) ? gather_row(dwalk.t0, dwalk.end()) : -1;
-    };
-    Tile w{};
-    KTileWalk<BK> walk(kblocks, 0, 0, 0, 0);  // (no loads)
-    int tok_next = -1;
-    decode(blockIdx.x, w, walk, tok_next);
     for (long long v = blockIdx.x; v < num_tiles; v += tile_step) {
+      const Tile w = tile_of(v);
       const int m0 = w.m0, n0 = w.n0, num_kt = w.num_kt;
       const bool a_cok = m0 + ca * EPC < M, b_cok = n0 + cb * EPC < N;
       // this lane's column in row 0, in bytes from the operand's start
       const unsigned a_colb = static_cast<unsigned>((m0 + ca * EPC) * sizeof(T));
       const unsigned b_colb = static_cast<unsigned>((n0 + cb * EPC) * sizeof(T));
-      // the next tile's decode (TILE_AHEAD: after this tile's first k-tile is issued, its loads' latency under the
-      // stages already in the ring)
-      Tile wn{};
-      KTileWalk<BK> walkn(kblocks, 0, 0, 0, 0);
-      int tokn = -1;
-      bool ahead = false;
+      // the reduction tiles [t0, end()) in order; gather index of k-row rw + lane % 16 of a tile (-1 past it)
+      KTileWalk<BK> walk(kblocks, w.e, num_kblocks, w.slot_lo, w.slot_lo + w.cnt);
+      auto gather_row = [&](int t0, int tend) -> int {
+        const int s = t0 + rw + (lane & 15);
+        return s < tend ? __ldg(slot_token + s) : -1;
+      };
+      int tok_next = ((A_GATHER || B_GATHER) && num_kt > 0) ? gather_row(walk.t0, walk.end()) : -1;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int tok = tok_next;
         const int t0 = walk.t0, tend = walk.end();
@@ -311,15 +287,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
           stage = 0;
           phase ^= 1u;
         }
-        if (BLZ_WGRAD_TILE_AHEAD == 1 && kt == 0) {
-          decode(v + tile_step, wn, walkn, tokn);
-          ahead = true;
-        }
       }
-      if (!ahead) decode(v + tile_step, wn, walkn, tokn);
-      w = wn;
-      walk = walkn;
-      tok_next = tokn;
     }
     sm90::producer_drain<STAGES>(full0, it);
   } else {
@@ -359,18 +327,9 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
   #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = c0[i * 256];
     }
-    Tile wnext{};
-    if (blockIdx.x < num_tiles) wnext = tile_of(blockIdx.x);
     for (long long v = blockIdx.x; v < num_tiles; v += tile_step) {
-      const Tile w = wnext;
+      const Tile w = tile_of(v);
       const int e = w.e, m0 = w.m0, n0 = w.n0;
-      // the next tile's decode (TILE_AHEAD: after the second k-tile's wgmmas are issued, under the tensor cores'
-      // work; a tile of fewer k-tiles decodes it after its mainloop)
-      bool ahead = false;
-      auto next = [&] {
-        if (v + tile_step < num_tiles) wnext = tile_of(v + tile_step);
-        ahead = true;
-      };
       float* cslice = carry + v * (BN / 2) * 256 + ct;  // this thread's column of the tile's slice
       const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
 
@@ -419,13 +378,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                  carry_in || (kt | ks) != 0);
-      }, carry_in, [&](unsigned long long soff, int kt) {
-        zero_tail(soff, kt);
-        // before the k-tile's wgmmas, while the previous one's run: code between a k-tile's wgmmas and their commit
-        // makes ptxas wait for the wgmmas in flight there (C7519)
-        if (BLZ_WGRAD_TILE_AHEAD == 1 && kt == 1) next();
-      }, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
-      if (!ahead) next();
+      }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
       // (an expert without slots leaves zero accumulators, or the carried sums)
       if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
   #pragma unroll
