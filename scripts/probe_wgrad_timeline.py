@@ -14,6 +14,7 @@ results) runs in the same process after the others.
 Usage (repository root): PYTHONPATH=.:adapters:app python scripts/probe_wgrad_timeline.py OUT.json \\
     --set base: [--set noA:-DBLZ_PROBE_A_SKIP=1] [--kernel wgrad|dh] [--shapes qwen3,fine] [--tokens 128k] \\
     [--ktiles 512]
+       python scripts/probe_wgrad_timeline.py OUT.json --set - --resummarize IN.json   (no GPU: summaries again)
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def _percentiles(v: list) -> dict:
 
 def summarize(prod_start: list, prod_issued: list, cons_full: list, skip: int = 8) -> dict:
     """Per-k-tile figures (SM cycles) from the three clock series of one launch; the first ``skip`` k-tiles (the
-    ring's first fill) are left out."""
+    ring's first fill) are left out, and so are the k-tiles past the last the consumers recorded (a CTA with fewer
+    k-tiles than the probe's length leaves the rest of its series 0)."""
     n = min(len(prod_start), len(prod_issued), len(cons_full))
+    while n > 0 and not (cons_full[n - 1] and prod_start[n - 1] and prod_issued[n - 1]):
+        n -= 1
     ks = range(skip, n)
     cycle = [cons_full[k] - cons_full[k - 1] for k in ks if k > 0]
     fill = [cons_full[k] - prod_start[k] for k in ks]
@@ -96,6 +100,21 @@ def read_timelines(n: int, tag: str, kernel: str = "wgrad") -> dict:
     return out
 
 
+def resummarize(src: str, out: str) -> int:
+    """Recompute every summary of the result ``src`` from its stored clocks (its header's kernel) into ``out``."""
+    with open(src) as f:
+        res = json.load(f)
+    dh = res["header"].get("kernel") == "dh"
+    for by_label in res["timelines"].values():
+        for by_name in by_label.values():
+            for entry in by_name.values():
+                entry["summary"] = summarize_dh(entry["clocks"]) if dh else summarize(*entry["clocks"])
+    res["header"]["resummarized_from"] = os.path.basename(src)
+    with open(out, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -104,7 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="128k")
     ap.add_argument("--ktiles", type=int, default=512)
     ap.add_argument("--kernel", choices=sorted(KERNELS), default="wgrad")
+    ap.add_argument("--resummarize", metavar="IN.json",
+                    help="no GPU run: recompute the summaries of an earlier result's clocks into OUT")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.resummarize, args.out)
     sets = []
     for spec in args.sets:
         label, sep, opts = spec.partition(":")

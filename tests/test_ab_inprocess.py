@@ -1,6 +1,7 @@
 """scripts/ab_inprocess.py's option-set parsing and environment handling (CPU)."""
 
 import importlib.util
+import json
 import os
 import sys
 import types
@@ -173,6 +174,23 @@ def test_wgrad_timeline_summary():
     assert s["fill"] == {"p10": 2000, "p50": 2000, "p90": 2000, "mean": 2000.0}
     assert s["producer_issue"]["mean"] == 300.0
     assert s["long_cycles"] == 1 and abs(s["long_share"] - 2000 / 14000) < 1e-12  # 12 cycles, one of 3000
+
+
+def test_wgrad_timeline_summary_stops_at_unrecorded_ktiles(tmp_path):
+    # a CTA with 14 k-tiles under a 20-entry probe: its series end in zeros, which are not k-tiles
+    t = _load("probe_wgrad_timeline")
+    c0 = [1000 * k + 5000 for k in range(14)] + [0] * 6
+    p0 = [c - 2000 if c else 0 for c in c0]
+    p1 = [p + 300 if p else 0 for p in p0]
+    s = t.summarize(p0, p1, c0, skip=8)
+    assert s["ktiles"] == 6 and s["consumer_cycle"]["mean"] == 1000.0 and s["fill"]["p90"] == 2000
+    src, out = tmp_path / "in.json", tmp_path / "out.json"
+    entry = {"summary": {"ktiles": 12}, "clocks": [p0, p1, c0]}
+    src.write_text(json.dumps({"header": {"kernel": "wgrad"}, "timelines": {"qwen3": {"base": {"k": entry}}}}))
+    assert t.main([str(out), "--set", "-", "--resummarize", str(src)]) == 0
+    got = json.loads(out.read_text())
+    assert got["timelines"]["qwen3"]["base"]["k"]["summary"]["ktiles"] == 6
+    assert got["header"]["resummarized_from"] == "in.json"
 
 
 def test_dh_timeline_summary():
