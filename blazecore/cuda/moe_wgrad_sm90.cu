@@ -61,13 +61,15 @@ namespace blz {
 // that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
 // TMA: half the gathered bytes a stage of the other assignment; dw2 = dy_g^T (g hcur) needs no transpose).
 // A_TMA: the slot-indexed A tile comes by TMA (tmap_a: 2-D (M, rows of A), box (64, 64), 128-byte swizzle, zero
-// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so
-// in a reduction tile shorter than 64 slots (an expert's or a token block's last) the rows past it hold the next
-// slots' values: each consumer warpgroup zeroes those rows of its own A atom before its wgmmas read the stage, so
-// every product matches the cp.async path's (which zero-fills them) bit for bit, NaN and Inf included.
-// B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage); the rows of
-// a short tile past its end are zeroed in every B atom by the 256 consumer threads, which then meet at named
-// barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a stage.
+// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so a
+// reduction tile shorter than 64 slots (an expert's or a token block's last) comes by cp.async, which zero-fills the
+// rows past it (BLZ_WGRAD_SHORT_CP, the default). With BLZ_WGRAD_SHORT_CP=0 it comes by TMA too, its rows past the
+// tile holding the next slots' values, and each consumer warpgroup zeroes those rows of its own A atom before its
+// wgmmas read the stage; either way every product matches the cp.async path's bit for bit, NaN and Inf included.
+// B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage); with
+// BLZ_WGRAD_SHORT_CP=0 the rows of a short tile past its end are zeroed in every B atom by the 256 consumer threads,
+// which then meet at named barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a
+// stage (none on a short tile).
 // The producer's cp.async copies of one operand's k-tile: this warp's k-rows [rw, rw + ROWS_W), RP k-rows a warp
 // instruction (lane sub = lane / chunks-per-row picks its k-row of the RP); dst: the lane's chunk position in the
 // tile (XORed with k-row % 8), col_b: its column in row 0 of the source, in bytes from base. The source row of k-row r
