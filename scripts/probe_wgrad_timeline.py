@@ -14,7 +14,7 @@ results) runs in the same process after the others.
 Usage (repository root): PYTHONPATH=.:adapters:app python scripts/probe_wgrad_timeline.py OUT.json \\
     --set base: [--set noA:-DBLZ_PROBE_A_SKIP=1] [--kernel wgrad|dh] [--shapes qwen3,fine] [--tokens 128k] \\
     [--ktiles 512]
-       python scripts/probe_wgrad_timeline.py OUT.json --set - --resummarize IN.json   (no GPU: summaries again)
+       python scripts/probe_wgrad_timeline.py OUT.json --resummarize IN.json   (no GPU: the summaries again)
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def resummarize(src: str, out: str) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--set", dest="sets", action="append", required=True, help="LABEL:NVRTC options")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="LABEL:NVRTC options (one at least)")
     ap.add_argument("--shapes", default="qwen3,fine")
     ap.add_argument("--tokens", default="128k")
     ap.add_argument("--ktiles", type=int, default=512)
@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.resummarize:
         return resummarize(args.resummarize, args.out)
+    if not args.sets:
+        ap.error("--set: at least one option set (or --resummarize IN.json)")
     sets = []
     for spec in args.sets:
         label, sep, opts = spec.partition(":")

@@ -187,10 +187,17 @@ def test_wgrad_timeline_summary_stops_at_unrecorded_ktiles(tmp_path):
     src, out = tmp_path / "in.json", tmp_path / "out.json"
     entry = {"summary": {"ktiles": 12}, "clocks": [p0, p1, c0]}
     src.write_text(json.dumps({"header": {"kernel": "wgrad"}, "timelines": {"qwen3": {"base": {"k": entry}}}}))
-    assert t.main([str(out), "--set", "-", "--resummarize", str(src)]) == 0
+    assert t.main([str(out), "--resummarize", str(src)]) == 0
     got = json.loads(out.read_text())
     assert got["timelines"]["qwen3"]["base"]["k"]["summary"]["ktiles"] == 6
     assert got["header"]["resummarized_from"] == "in.json"
+
+
+def test_wgrad_timeline_wants_a_set(capsys):
+    t = _load("probe_wgrad_timeline")
+    with pytest.raises(SystemExit):
+        t.main(["out.json"])
+    assert "at least one option set" in capsys.readouterr().err
 
 
 def test_dh_timeline_summary():
