@@ -62,7 +62,7 @@ def test_kernels_compile(fname, arch):
 
 
 # build switches of the sources that select another form of a kernel (not the timing probes, whose results are wrong)
-SWITCHES = [("moe_wgrad_sm90.cu", "-DBLZ_WGRAD_SHORT_CP=0")]
+SWITCHES = [("moe_wgrad_sm90.cu", "-DBLZ_SM90_PRODUCER_FENCE=1")]
 
 
 @pytest.mark.parametrize(("fname", "option"), SWITCHES)

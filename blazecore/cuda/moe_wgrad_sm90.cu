@@ -1,11 +1,5 @@
 #include "sm90_common.cuh"
 
-// BLZ_WGRAD_SHORT_CP = 1 (default): a reduction tile shorter than BK comes by cp.async even where the slot-indexed
-// operand otherwise comes by TMA (see the producer); 0: by TMA, the box's rows past the tile zeroed by the consumers.
-#ifndef BLZ_WGRAD_SHORT_CP
-#define BLZ_WGRAD_SHORT_CP 1
-#endif
-
 #if BLZ_PROBE_TIMELINE
 // Timing probe (results unchanged): CTA 0 of the last launch of each OUT_T form records the SM clock (clock64) of its
 // first BLZ_PROBE_TIMELINE k-tiles: [0] the producer past the stage's empty wait, [1] its copies issued, [2] the
@@ -61,15 +55,11 @@ namespace blz {
 // that the gathered rows take the tile's 128-column side by cp.async and the slot-indexed dz the 256-column side by
 // TMA: half the gathered bytes a stage of the other assignment; dw2 = dy_g^T (g hcur) needs no transpose).
 // A_TMA: the slot-indexed A tile comes by TMA (tmap_a: 2-D (M, rows of A), box (64, 64), 128-byte swizzle, zero
-// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows, so a
-// reduction tile shorter than 64 slots (an expert's or a token block's last) comes by cp.async, which zero-fills the
-// rows past it (BLZ_WGRAD_SHORT_CP, the default). With BLZ_WGRAD_SHORT_CP=0 it comes by TMA too, its rows past the
-// tile holding the next slots' values, and each consumer warpgroup zeroes those rows of its own A atom before its
-// wgmmas read the stage; either way every product matches the cp.async path's bit for bit, NaN and Inf included.
-// B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage); with
-// BLZ_WGRAD_SHORT_CP=0 the rows of a short tile past its end are zeroed in every B atom by the 256 consumer threads,
-// which then meet at named barrier 1 (both warpgroups read the whole B tile). One expect_tx covers the TMA tiles of a
-// stage (none on a short tile).
+// fill out of bounds; two boxes a stage, one per 64-column atom) instead of cp.async. A box always holds 64 rows (it
+// would bring in the next slots' values), so a reduction tile shorter than 64 slots (an expert's or a token block's
+// last) comes by cp.async, which zero-fills the rows past it: every product matches the cp.async path's bit for bit.
+// B_TMA: the same for a slot-indexed B (tmap_b: 2-D (N, rows of B), box (64, 64), BN / 64 boxes a stage). One
+// expect_tx covers the TMA tiles of a stage (none on a short tile).
 // The producer's cp.async copies of one operand's k-tile: this warp's k-rows [rw, rw + ROWS_W), RP k-rows a warp
 // instruction (lane sub = lane / chunks-per-row picks its k-row of the RP); dst: the lane's chunk position in the
 // tile (XORed with k-row % 8), col_b: its column in row 0 of the source, in bytes from base. The source row of k-row r
@@ -244,12 +234,11 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         if (it >= STAGES) sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);  // consumers released this stage
         if (tid == 0) BLZ_TIMELINE_MARK(blz_wgrad_timeline[OUT_T][0][it], it);
         const unsigned as = sbase + stage * C::STAGE_BYTES, bs = as + C::A_BYTES;
-        // BLZ_WGRAD_SHORT_CP: a reduction tile shorter than BK (a token block's or the expert's last) comes by
-        // cp.async, whose zero fill stops at the tile's end. A TMA box always holds BK slots and brings in the next
-        // ones (the next block's or the next expert's rows), which the consumers then zero (zero_tail below: all 256
-        // of them, a proxy fence and a named barrier) while the tensor cores wait. Both CTAs of a cluster reduce the
-        // same slots, so they take the cp.async path at the same k-tiles and neither multicasts there.
-        const bool part = BLZ_WGRAD_SHORT_CP && tend - t0 < BK;
+        // a reduction tile shorter than BK (a token block's or the expert's last) comes by cp.async, whose zero fill
+        // stops at the tile's end: a TMA box always holds BK slots and would bring in the next ones, which the
+        // consumers would have to zero while the tensor cores wait. Both CTAs of a cluster reduce the same slots, so
+        // they take the cp.async path at the same k-tiles and neither multicasts there.
+        const bool part = tend - t0 < BK;
         const bool a_tma = A_TMA && !part, b_tma = B_TMA && !part;
         if constexpr (ANY_TMA) {
           // one thread raises the stage's transaction count by the TMA tiles' bytes (none on a short tile: then it
@@ -335,43 +324,6 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
       float* cslice = carry + v * (BN / 2) * 256 + ct;  // this thread's column of the tile's slice
       const bool carry_in = CARRY_IN && __ldg(carry_seen + e) != 0;
 
-#if !BLZ_WGRAD_SHORT_CP
-      // A_TMA / B_TMA: the consumers walk the reduction tiles too, for each tile's length
-      KTileWalk<BK> cwalk(kblocks, e, num_kblocks, w.slot_lo, w.slot_lo + (ANY_TMA ? w.cnt : 0));
-      auto zero_tail = [&](unsigned long long soff, int) {
-        if constexpr (ANY_TMA) {
-          const int valid = cwalk.end() - cwalk.t0;
-          cwalk.next();
-          if (valid < BK) {  // rows [valid, 64) of the TMA tiles hold the next slots: zero them
-            const unsigned st = sbase + static_cast<unsigned>(soff << 4);
-            constexpr int CH = ROW_BYTES / 16;  // 16-byte chunks a k-row of an atom
-            if constexpr (A_TMA) {  // this warpgroup's own A atom
-              const unsigned base = st + cw * ATOM_BYTES + valid * ROW_BYTES;
-              for (int i = t; i < (BK - valid) * CH; i += 128)
-                sm90::st_shared_v4(base + 16 * i, make_uint4(0u, 0u, 0u, 0u));
-            }
-            if constexpr (B_TMA) {  // every B atom, shared by both warpgroups
-              const int per = (BK - valid) * CH;
-              for (int i = ct; i < per * (BN / 64); i += 256)
-                sm90::st_shared_v4(st + C::A_BYTES + (i / per) * ATOM_BYTES + valid * ROW_BYTES + 16 * (i % per),
-                                   make_uint4(0u, 0u, 0u, 0u));
-            }
-            sm90::fence_proxy_async_smem();  // generic stores -> the wgmmas' async-proxy reads (and the next TMA fill)
-            // the stores all done before any wgmma reads them: the B tile is read by both warpgroups (named barrier 1
-            // of the 256 consumer threads), an A atom by its own warpgroup only (barrier 2 / 3 of its 128 threads)
-            if constexpr (B_TMA) {
-              sm90::consumer_bar_sync();
-            } else if (cw == 0) {
-              asm volatile("bar.sync 2, 128;\n" ::: "memory");
-            } else {
-              asm volatile("bar.sync 3, 128;\n" ::: "memory");
-            }
-          }
-        }
-      };
-#else
-      sm90::NoPrep zero_tail;
-#endif
       sm90::consumer_mainloop<STAGES>(acc, full0, empty0, w.num_kt, t, C::STAGE_BYTES, stage, phase,
                                       [&](unsigned long long soff, int kt) {
         if (tid == 128) BLZ_TIMELINE_MARK(blz_wgrad_timeline[OUT_T][2][cit], cit);
@@ -380,7 +332,7 @@ __device__ __forceinline__ void wgrad_body(const KGroupedArgs<T>& p, const sm90:
         for (int ks = 0; ks < BK / 16; ++ks)
           sm90::Wgmma<BN, T>::template mma<1, 1>(acc, da0 + soff + ks * KSTEP, db0 + soff + ks * KSTEP,
                                                  carry_in || (kt | ks) != 0);
-      }, carry_in, zero_tail, MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
+      }, carry_in, sm90::NoPrep(), MC > 1 ? sm90::map_to_rank(empty0, rank ^ 1u) : 0u);
       // (an expert without slots leaves zero accumulators, or the carried sums)
       if (p.carry_out) {  // partial sums for the next chunk's launch instead of the gradient
   #pragma unroll
